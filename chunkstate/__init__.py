@@ -1,0 +1,20 @@
+"""chunkstate: the gated chunked state recurrence of linear attention, from a loop to Triton.
+
+Importing chunkstate picks how its Triton kernels run *before* any of them is decorated:
+on a machine without a CUDA GPU it sets ``TRITON_INTERPRET=1`` (Triton's interpreter, CPU
+tensors), so every notebook and test runs on a laptop. A value you set yourself is kept.
+``chunkstate.environment()`` tells which mode and device you are in.
+"""
+import os as _os
+
+if "TRITON_INTERPRET" not in _os.environ:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        _os.environ["TRITON_INTERPRET"] = "1"
+
+from .env import DEVICE, INTERPRET, environment  # noqa: E402
+from . import gates, reference, testing  # noqa: E402
+
+__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing"]
+__version__ = "0.1.0"

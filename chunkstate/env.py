@@ -1,0 +1,41 @@
+"""Which mode chunkstate's kernels run in: compiled on a CUDA GPU, or Triton's interpreter on CPU.
+
+``chunkstate/__init__.py`` sets ``TRITON_INTERPRET=1`` when no CUDA GPU is present; this module
+only reads the outcome. Under the interpreter (``INTERPRET`` is True):
+
+- tensors handed to kernels must live on the CPU (``DEVICE`` is ``"cpu"``);
+- bf16 arithmetic and ``tl.dot`` on bf16 are silently wrong: test fp32 / fp16 there;
+- ``@triton.autotune`` accepts a single config only, so chunkstate collapses its lists to one;
+- each program costs milliseconds per chunk: keep shapes small (T <= 256, K, V <= 64).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE: str = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+
+@dataclass(frozen=True)
+class Environment:
+    interpreter: bool  # True: Triton's interpreter runs the kernels on CPU tensors
+    device: str  # where kernel inputs must live: "cuda" or "cpu"
+    device_name: str  # the GPU's name, or the CPU
+    torch_version: str
+    triton_version: str
+
+    def __str__(self) -> str:
+        mode = "Triton interpreter (CPU)" if self.interpreter else "compiled Triton on the GPU"
+        return (f"chunkstate runs kernels with {mode}; device={self.device} ({self.device_name}); "
+                f"torch {self.torch_version}, triton {self.triton_version}")
+
+
+def environment() -> Environment:
+    """Describe the mode and device chunkstate's kernels use (see the module docstring)."""
+    import triton
+
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    return Environment(INTERPRET, DEVICE, name, torch.__version__, triton.__version__)

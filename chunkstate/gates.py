@@ -1,0 +1,91 @@
+"""Gates as the kernels consume them, and the bookkeeping of packed (varlen) batches.
+
+A gate is a per-token *natural-log* decay: ``g`` [B,T,H] (scalar per head), ``gk`` [B,T,H,K]
+(per key dim), ``gv`` [B,T,H,V] (per value dim), ``g_gamma`` [H] (one constant per head).
+The kernels (like fla >= 0.5.2) take each per-token gate as a *chunk-local inclusive cumulative
+sum in log2 units*: inside chunk c, ``G[t] = log2(e) * sum(gate[c_start .. t])``; the sum restarts
+at every chunk (and at every sequence start in a packed batch), so within a chunk
+``G[last] - G[t] <= 0`` for decaying gates and ``exp2`` of it never overflows. ``g_gamma`` is
+passed as ``log2(e) * g_gamma``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+RCP_LN2 = 1.0 / math.log(2.0)  # log2(e): natural-log gates times this are log2 gates
+
+
+def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sequence lengths [N] from cumulative offsets ``cu_seqlens`` [N+1]."""
+    return cu_seqlens[1:] - cu_seqlens[:-1]
+
+
+def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Where each sequence's chunk (or split) slots start: [N+1], int64.
+
+    Sequence n of length L_n owns ``ceil(L_n / chunk_size)`` slots (none when empty), so its
+    states are ``h[0, offsets[n] : offsets[n+1]]`` and ``offsets[-1]`` is the total count.
+    """
+    n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
+    return torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)])
+
+
+def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """One row per chunk of a packed batch: [NT, 2] int64 of (sequence n, chunk index in n)."""
+    n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=cu_seqlens.device), n_chunks)
+    first = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)[:-1]])
+    idx = torch.arange(int(n_chunks.sum()), device=cu_seqlens.device) - first[seq]
+    return torch.stack([seq, idx], 1)
+
+
+def _chunk_ids(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """A group id per token [T]: equal ids <=> same sequence and same chunk of it."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t // chunk_size
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    seq = torch.searchsorted(cu[1:], t, right=True)  # sequence of each token
+    pos = t - cu[seq]  # position inside its sequence
+    offsets = prepare_chunk_offsets(cu, chunk_size)
+    return offsets[seq] + pos // chunk_size
+
+
+def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Tensor | None = None,
+                       scale: float = RCP_LN2, reverse: bool = False,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Chunk-local inclusive cumulative sum along time, times ``scale`` (default: to log2 units).
+
+    Args:
+        gate: [B, T, H] or [B, T, H, D] per-token natural-log gates (``g``, ``gk`` or ``gv``).
+        chunk_size: chunk length BT; the sum restarts every BT tokens of each sequence.
+        cu_seqlens: [N+1] offsets of a packed batch (B must be 1), or None.
+        scale: multiplies the result (``RCP_LN2`` = log2(e) for the kernels; 1.0 keeps natural log).
+        reverse: sum from each token to the *end* of its chunk instead (used by gradients).
+        dtype: of the result (float32 by default, as the kernels expect).
+    Returns:
+        a tensor shaped like ``gate``: ``out[:, t] = scale * sum(gate[:, s])`` over the tokens s of
+        t's chunk with s <= t (s >= t when ``reverse``). Summed in float64 for accuracy.
+    """
+    if gate.dim() not in (3, 4):
+        raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
+    if cu_seqlens is not None and gate.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
+    T = gate.shape[1]
+    ids = _chunk_ids(T, chunk_size, cu_seqlens, gate.device)
+    x = gate.to(torch.float64)
+    if reverse:
+        x = x.flip(1)
+        ids = ids.flip(0)
+    total = x.cumsum(1)
+    # Subtract the running total just before each group's first token (groups are contiguous).
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    start = torch.cummax(torch.where(first, torch.arange(T, device=gate.device), 0), 0).values
+    before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], 1)
+    out = total - before[:, start]
+    if reverse:
+        out = out.flip(1)
+    return (out * scale).to(dtype)

@@ -1,0 +1,48 @@
+"""Checks used by the tests, the notebooks and the exercises: they raise, never only print."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (‖·‖ the Frobenius norm); 0 when both are zero.
+
+    NaN anywhere in ``out`` gives NaN, which fails every ``<`` comparison.
+    """
+    out, ref = out.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    num, den = (out - ref).norm().item(), ref.norm().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-6) -> float:
+    """Raise ``AssertionError`` naming ``what`` unless rel_err(out, ref) < tol; return the error."""
+    if torch.isnan(out).any() and not torch.isnan(ref).any():
+        bad = torch.isnan(out).nonzero()[:3].tolist()
+        raise AssertionError(f"{what}: NaN in the result (e.g. at {bad}) — an element never written?")
+    err = rel_err(out, ref)
+    if not err < tol:
+        raise AssertionError(f"{what}: relative error {err:.3e} is not below {tol:.1e}")
+    return err
+
+
+@contextlib.contextmanager
+def nan_poisoned_empty():
+    """Within the block, ``torch.empty`` / ``torch.empty_like`` return NaN-filled float tensors,
+    so an output element a kernel forgot to write shows up as NaN (as fla's test suite does)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
