@@ -15,6 +15,7 @@ if "TRITON_INTERPRET" not in _os.environ:
 
 from .env import DEVICE, INTERPRET, environment  # noqa: E402
 from . import gates, reference, testing  # noqa: E402
+from .forward import chunk_fwd_h  # noqa: E402
 
-__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing"]
+__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h"]
 __version__ = "0.1.0"

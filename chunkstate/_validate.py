@@ -1,0 +1,91 @@
+"""Input checks shared by the kernels' wrappers: every bad argument gets a clear error naming it.
+
+The wrappers never hand Triton something it would read wrongly: shapes, heads, dtypes, devices,
+chunk and split sizes and packed-batch offsets are checked here, and inputs are made contiguous.
+"""
+from __future__ import annotations
+
+import torch
+
+from .env import INTERPRET
+
+
+def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, like: torch.Tensor | None = None):
+    """Check one tensor argument and return it contiguous.
+
+    ``shape``: expected sizes, ``None`` entries match anything. ``like``: the tensor that fixes the
+    device (the first argument of the call).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if shape is not None:
+        ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
+    if like is not None and x.device != like.device:
+        raise ValueError(f"{name} is on {x.device} but the other inputs are on {like.device}")
+    return x.contiguous()
+
+
+def kernel_device(name: str, x: torch.Tensor) -> None:
+    """Kernels run compiled on a CUDA GPU, or under Triton's interpreter on CPU tensors."""
+    if INTERPRET and x.device.type != "cpu":
+        raise ValueError(f"{name} is on {x.device}, but Triton runs in interpreter mode "
+                         "(TRITON_INTERPRET=1): pass CPU tensors")
+    if not INTERPRET and x.device.type != "cuda":
+        raise ValueError(f"{name} is on {x.device}, but chunkstate's kernels run compiled on a CUDA GPU "
+                         "here: pass CUDA tensors (or set TRITON_INTERPRET=1 before importing chunkstate)")
+
+
+def sizes(chunk_size, split_size) -> tuple[int, int]:
+    """(BT, BS): chunk_size a power of two in [16, 256]; split_size a positive multiple of it."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 16 or chunk_size > 256 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two in [16, 256], got {chunk_size}")
+    if split_size is None:
+        return chunk_size, chunk_size
+    if isinstance(split_size, bool) or not isinstance(split_size, int):
+        raise TypeError(f"split_size must be an int or None, got {type(split_size).__name__}")
+    if split_size <= 0 or split_size % chunk_size:
+        raise ValueError(f"split_size must be a positive multiple of chunk_size={chunk_size}, got {split_size}")
+    return chunk_size, split_size
+
+
+def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
+    """Check packed-batch offsets [N+1]; return (cu as int32 contiguous or None, N).
+
+    Reads the offsets on the host (one device sync), as fla does to size the outputs.
+    """
+    if cu is None:
+        return None, B
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu.dim()}-D {cu.dtype}")
+    if cu.device != like.device:
+        raise ValueError(f"cu_seqlens is on {cu.device} but the other inputs are on {like.device}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu.numel()}")
+    host = cu.tolist()
+    if host[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {host[0]}")
+    if any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if host[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T={T}, got {host[-1]}")
+    return cu.contiguous(), len(host) - 1
+
+
+def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):
+    """Check the four optional gates' shapes, dtypes and devices; return them contiguous."""
+    g = None if g is None else tensor("g", g, (B, T, H), like=like)
+    g_gamma = None if g_gamma is None else tensor("g_gamma", g_gamma, (H,), like=like)
+    gk = None if gk is None else tensor("gk", gk, (B, T, H, K), like=like)
+    gv = None if gv is None else tensor("gv", gv, (B, T, H, V), like=like)
+    return g, g_gamma, gk, gv

@@ -1,0 +1,255 @@
+"""The forward kernel: the states entering every split of every sequence, ``chunk_fwd_h``.
+
+One program owns one [BK, BV] tile of one (sequence, head)'s state and walks that sequence's
+chunks in order. Per chunk of BT tokens, with the gates' chunk-local cumulative sums ``G`` (log2)
+and ``Γ = G[last valid token]``::
+
+    if the chunk starts a split:  store h          (the state *entering* the split)
+    h  ←  2^{Γ} · h                                 (decay across the whole chunk)
+    h  +=  (k ⊙ 2^{Γ−G})ᵀ (v ⊙ 2^{Γ−G})            (the chunk's tokens, each decayed to the end)
+
+The scalar gates ``g`` / ``g_gamma`` scale v's rows; ``gk`` scales k (key side) and ``h``'s rows;
+``gv`` scales v's columns and ``h``'s columns. They compose: any combination may be given.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _tuning, _validate
+from .gates import prepare_chunk_offsets
+
+
+@triton.jit
+def _store_state(p, b, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Store a [BK, BV] tile at base ``p`` of a [K, V] state (or [V, K] with STATE_V_FIRST)."""
+    m = (o_k[:, None] < K) & (o_v[None, :] < V)
+    if STATE_V_FIRST:
+        tl.store(p + o_v[None, :] * K + o_k[:, None], b.to(p.dtype.element_ty), mask=m)
+    else:
+        tl.store(p + o_k[:, None] * V + o_v[None, :], b.to(p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Load a [BK, BV] fp32 tile from base ``p`` of a [K, V] (or [V, K]) state."""
+    m = (o_k[:, None] < K) & (o_v[None, :] < V)
+    if STATE_V_FIRST:
+        b = tl.load(p + o_v[None, :] * K + o_k[:, None], mask=m, other=0.0)
+    else:
+        b = tl.load(p + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0)
+    return b.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_fwd_kernel_h(
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    h,  # [B, NS, H, K, V]  (or [.., V, K])   out: state entering each split
+    g,  # [B, T, H]     chunk-local cumsum, log2
+    g_gamma,  # [H]     per-step decay, log2
+    gk,  # [B, T, H, K] chunk-local cumsum, log2
+    gv,  # [B, T, H, V] chunk-local cumsum, log2
+    h0,  # [N, H, K, V] (or [.., V, K])
+    ht,  # [N, H, K, V] (or [.., V, K])       out: final state, fp32
+    cu_seqlens,  # [N + 1] packed-batch offsets
+    split_offsets,  # [N + 1] first split slot of each packed sequence
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GRID: tl.constexpr,  # autotune key only: N·H relative to the SM count (see _tuning)
+    USE_G: tl.constexpr,
+    USE_G_GAMMA: tl.constexpr,
+    USE_GK: tl.constexpr,
+    USE_GV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
+):
+    # ---- which tile of which (sequence, head): tiles of one head are neighbours (shared k, v in L2)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_nh = pid // (NK * NV)
+    i_k = ((pid // NV) % NK).to(tl.int32)
+    i_v = (pid % NV).to(tl.int32)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BS)
+    NT = tl.cdiv(T, BT)
+    CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
+
+    o_t = tl.arange(0, BT)  # [BT]
+    o_k = i_k * BK + tl.arange(0, BK)  # [BK]
+    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
+    m_k = o_k < K
+    m_v = o_v < V
+    # Base pointers of this (sequence, head): token t of k is at p_k0 + t·H·K.
+    p_k0 = k + (bos * H + i_h) * K
+    p_v0 = v + (bos * H + i_h) * V
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+    if USE_INITIAL_STATE:
+        b_h = _load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+    if USE_G_GAMMA:
+        b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+
+    for i_t in range(0, NT):
+        t0 = tl.cast(i_t, tl.int64) * BT  # first token of the chunk
+        if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
+            i_s = boh + i_t // CHUNKS_PER_SPLIT
+            _store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+        rows = t0 + o_t  # [BT] token index inside the sequence
+        m_t = rows < T
+        last = tl.minimum(t0 + BT, T) - 1  # last valid token of the chunk
+        # k is loaded transposed, [BK, BT], so the chunk's update is one [BK, BT] @ [BT, BV] dot.
+        b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if USE_G or USE_G_GAMMA or USE_GV:
+            b_v = b_v.to(tl.float32)
+        if USE_GK:
+            b_k = b_k.to(tl.float32)
+
+        if USE_G:  # scalar gate: rows of v, and all of h
+            b_g = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+            b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
+            b_h *= tl.math.exp2(b_g_last)
+            b_v *= tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
+        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1), Γ = γ·(valid length)
+            b_gg = b_gamma * (o_t + 1).to(tl.float32)  # [BT]
+            b_gg_last = b_gamma * (last - t0 + 1).to(tl.float32)
+            b_h *= tl.math.exp2(b_gg_last)
+            b_v *= tl.where(m_t, tl.math.exp2(b_gg_last - b_gg), 0.0)[:, None]
+        if USE_GK:  # key-side gate: columns of kᵀ, rows of h
+            p_gk0 = gk + (bos * H + i_h) * K
+            b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                           other=0.0).to(tl.float32)  # [BK, BT]
+            b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            b_h *= tl.math.exp2(b_gk_last)[:, None]
+            b_k *= tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
+        if USE_GV:  # value-side gate: columns of v and of h
+            p_gv0 = gv + (bos * H + i_h) * V
+            b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)  # [BT, BV]
+            b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+            b_h *= tl.math.exp2(b_gv_last)[None, :]
+            b_v *= tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
+
+        # [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
+        b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
+
+    if STORE_FINAL_STATE:
+        _store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+
+
+def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
+                    state_v_first, config=None):
+    """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if N * H == 0:
+        return
+    args = dict(k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht,
+                cu_seqlens=cu_seqlens, split_offsets=split_offsets, T=T, H=H, K=K, V=V, BT=BT, BS=BS,
+                GRID=_tuning.grid_bucket(N * H),
+                USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
+                USE_GV=gv is not None, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+                IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first)
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    if config is None:
+        _tuned_forward[grid](**args)
+    else:
+        chunk_fwd_kernel_h[grid](**args, **config.kwargs, num_warps=config.num_warps,
+                                 num_stages=config.num_stages)
+
+
+_tuned_forward = triton.autotune(
+    configs=_tuning.CONFIGS,
+    key=["K", "V", "BT", "BS", "GRID", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
+         "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN"],
+    prune_configs_by={"early_config_prune": _tuning.prune},
+)(chunk_fwd_kernel_h)
+
+
+def chunk_fwd_h(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    h0: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    split_size: int | None = None,
+    states_in_fp32: bool = False,
+    *,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The states entering every split: a drop-in for fla-core 0.6.0's ``chunk_fwd_h``.
+
+    Args:
+        k: [B, T, H, K] keys; v: [B, T, H, V] values (same float dtype; fp16/bf16/fp32).
+        g: [B, T, H] scalar gate, gk: [B, T, H, K] key gate, gv: [B, T, H, V] value gate — each the
+            *chunk-local inclusive cumulative sum in log2 units* of natural-log per-token gates
+            (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``); any combination.
+        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``).
+        h0: [N, H, K, V] initial states (any float dtype; [N, H, V, K] with ``state_v_first``).
+        output_final_state: also return ``ht``, the state after each sequence's last token.
+        state_v_first: store ``h`` / read ``h0`` / write ``ht`` as [V, K] instead of [K, V].
+        cu_seqlens: [N + 1] int offsets of sequences packed along T (then B must be 1).
+        chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).
+        split_size: BS, a multiple of BT (default BT): states are stored every BS tokens.
+        states_in_fp32: store ``h`` in fp32 instead of k's dtype.
+        config: run one explicit ``triton.Config`` (BK, BV, warps, stages) instead of autotuning.
+    Returns:
+        h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
+            [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);
+        ht: [N, H, K, V] fp32, or None unless ``output_final_state`` (= h0, or 0, for an empty sequence).
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, heads, devices, sizes
+        or offsets.
+    """
+    k = _validate.tensor("k", k)
+    if k.dim() != 4:
+        raise ValueError(f"k must have shape [B, T, H, K], got {list(k.shape)}")
+    B, T, H, K = k.shape
+    v = _validate.tensor("v", v, (B, T, H, None), like=k)
+    V = v.shape[-1]
+    if v.dtype != k.dtype:
+        raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
+    _validate.kernel_device("k", k)
+    BT, BS = _validate.sizes(chunk_size, split_size)
+    g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
+    cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=k)
+    state = (V, K) if state_v_first else (K, V)
+    if h0 is not None:
+        h0 = _validate.tensor("h0", h0, (N, H, *state), like=k)
+
+    if cu_seqlens is None:
+        NS, split_offsets = triton.cdiv(T, BS), None
+    else:
+        split_offsets = prepare_chunk_offsets(cu_seqlens, BS)
+        NS = int(split_offsets[-1])
+    h = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
+    ht = torch.empty(N, H, *state, dtype=torch.float32, device=k.device) if output_final_state else None
+    _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
+                    state_v_first, config)
+    return h, ht
