@@ -5,6 +5,9 @@ chunk and split sizes and packed-batch offsets are checked here, and inputs are 
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .env import INTERPRET
@@ -89,3 +92,16 @@ def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):
     gk = None if gk is None else tensor("gk", gk, (B, T, H, K), like=like)
     gv = None if gv is None else tensor("gv", gv, (B, T, H, V), like=like)
     return g, g_gamma, gk, gv
+
+
+def real(name: str, x) -> float:
+    """A finite real number (int, float, numpy scalar; not bool, not a tensor) as a Python float.
+
+    Kernels take it as an fp32 scalar argument that is never specialised on its value.
+    """
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
