@@ -47,7 +47,7 @@ def draw(K: int = 128, V: int = 128, model: dict = MODEL_7B):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    T = np.unique(np.logspace(0, 17, 200, base=2).astype(np.int64))
+    T = np.unique(np.logspace(0, 17, 69, base=2).astype(np.int64))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.loglog(T, [flops_masked(int(t), K, V) for t in T], label=r"masked form $(QK^\top\odot M)V$: $T(T+1)(K+V)$")
     ax1.loglog(T, [flops_recurrent(int(t), K, V) for t in T], label=r"recurrence: $4\,TKV$")
