@@ -1,0 +1,135 @@
+"""Chapter 04 exercises: where an element lives, and a kernel that keeps only the final state.
+
+1. ``token_offset(b, t, i_h, d, T, H, D) -> int``: the offset, in elements, of ``x[b, t, i_h, d]``
+   in a contiguous time-major tensor ``x`` of shape [B, T, H, D] — the arithmetic every pointer
+   in the chapter's kernel is built from.
+2. ``final_state(k, v, chunk_size) -> ht``: a Triton kernel (and its launcher) that walks the chunks
+   of each (sequence, head) like the chapter's kernel but stores only the state after the last
+   token, ``ht`` [B, H, K, V] in fp32. Inputs: ``k`` [B, T, H, K], ``v`` [B, T, H, V] (fp32,
+   contiguous, on ``chunkstate.DEVICE``), K and V powers of two >= 16, ``chunk_size`` a power of
+   two >= 16. Checked against :func:`chunkstate.reference.chunked_states`.
+
+``state_tolerance(dtype)`` is the error bound the chapters use when a kernel's states are
+compared with the float64 reference.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+import triton.language as tl
+
+from ..env import DEVICE, INTERPRET
+from ..reference import chunked_states
+from ..testing import check_close, nan_poisoned_empty
+
+
+def state_tolerance(dtype: torch.dtype) -> float:
+    """Bound on ‖h − h_ref‖/‖h_ref‖ for states a kernel computes from ``dtype`` inputs.
+
+    fp32: the interpreter's ``tl.dot`` is exact fp32 (rounding only: 1e-5); a GPU's ``tl.dot`` on
+    fp32 runs in tf32 (10 mantissa bits, each input off by up to 2^-10 relative): 5e-3.
+    fp16 (inputs and stored states; products exact, sums in fp32): 5e-3. bf16 (GPU only): 2e-2.
+    """
+    if dtype == torch.float32:
+        return 1e-5 if INTERPRET else 5e-3
+    if dtype == torch.float16:
+        return 5e-3
+    if dtype == torch.bfloat16:
+        return 2e-2
+    raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+
+
+# ---- 1. offsets -------------------------------------------------------------------------------
+
+def token_offset(b: int, t: int, i_h: int, d: int, T: int, H: int, D: int) -> int:
+    """The shipped solution: ``x[b, t, i_h, d]`` of a contiguous [B, T, H, D] tensor sits at
+    ``((b·T + t)·H + i_h)·D + d`` elements from ``x[0, 0, 0, 0]`` (strides T·H·D, H·D, D, 1)."""
+    return ((b * T + t) * H + i_h) * D + d
+
+
+def check_token_offset(fn=None) -> None:
+    """Test ``fn(b, t, i_h, d, T, H, D)`` (default: the shipped solution) against where PyTorch
+    itself puts each element of fresh tensors with odd shapes.
+
+    Raises ``AssertionError`` naming the shape and index that is wrong; an exception raised inside
+    ``fn`` (such as ``NotImplementedError`` from the stub) propagates unchanged.
+    """
+    fn = token_offset if fn is None else fn
+    name = getattr(fn, "__name__", "your function")
+    shapes = [(1, 1, 1, 1), (2, 5, 3, 4), (3, 7, 2, 16), (2, 100, 4, 33)]
+    for B, T, H, D in shapes:
+        x = torch.arange(B * T * H * D).view(B, T, H, D)  # each element holds its own offset
+        indices = [(B - 1, T - 1, H - 1, D - 1), (0, 0, 0, 0)]
+        indices += [tuple(random.randrange(n) for n in (B, T, H, D)) for _ in range(50)]
+        for b, t, i_h, d in indices:
+            got = fn(b, t, i_h, d, T, H, D)
+            want = int(x[b, t, i_h, d])
+            if got != want:
+                raise AssertionError(f"{name}: x[{b}, {t}, {i_h}, {d}] of a [B={B}, T={T}, H={H}, D={D}] "
+                                     f"tensor is at offset {want}, got {got}")
+    print(f"{name} agrees with PyTorch's layout on {len(shapes)} shapes")
+
+
+# ---- 2. a kernel that stores only the final state ---------------------------------------------
+
+@triton.jit
+def final_state_kernel(
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    ht,  # [B, H, K, V] fp32  out: the state after the last token
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)  # one program per (sequence, head)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_t = tl.arange(0, BT)  # [BT]
+    o_k = tl.arange(0, K)  # [K]
+    o_v = tl.arange(0, V)  # [V]
+    p_k0 = k + (i_b * T * H + i_h) * K  # token t of this (sequence, head): p_k0 + t·H·K
+    p_v0 = v + (i_b * T * H + i_h) * V
+    b_h = tl.zeros([K, V], dtype=tl.float32)  # [K, V]
+    for i_t in range(0, tl.cdiv(T, BT)):
+        rows = tl.cast(i_t, tl.int64) * BT + o_t  # [BT]
+        m_t = rows < T
+        b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_t[None, :], other=0.0)  # [K, BT]
+        b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, V]
+        b_h = tl.dot(b_k, b_v, b_h)
+    tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_h)
+
+
+def final_state(k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """The shipped solution: ``ht`` [B, H, K, V] fp32, the state after each sequence's last token."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
+    final_state_kernel[(B * H,)](k.contiguous(), v.contiguous(), ht, T, H=H, K=K, V=V, BT=chunk_size)
+    return ht
+
+
+def check_final_state(fn=None) -> None:
+    """Test ``fn(k, v, chunk_size) -> ht`` (default: the shipped solution) on fresh random inputs:
+    one token, a ragged last chunk, an exact number of chunks, K != V.
+
+    Outputs are allocated NaN-filled (``torch.empty`` is poisoned during the call), so an element
+    the kernel never writes fails. Raises ``AssertionError`` naming the shape; an exception raised
+    inside ``fn`` propagates unchanged.
+    """
+    fn = final_state if fn is None else fn
+    name = getattr(fn, "__name__", "your function")
+    cases = [(1, 1, 1, 16, 16, 16), (2, 50, 2, 16, 32, 16), (1, 64, 3, 32, 16, 32), (2, 37, 1, 32, 32, 16)]
+    for B, T, H, K, V, BT in cases:
+        k = torch.randn(B, T, H, K, device=DEVICE)
+        v = torch.randn(B, T, H, V, device=DEVICE)
+        with nan_poisoned_empty():
+            ht = fn(k, v, BT)
+        if not isinstance(ht, torch.Tensor):
+            raise AssertionError(f"{name} must return a tensor ht, got {type(ht).__name__}")
+        _, ht_ref = chunked_states(k, v, chunk_size=BT)
+        check_close(ht, ht_ref, f"{name}: ht (B={B}, T={T}, H={H}, K={K}, V={V}, BT={BT})",
+                    tol=state_tolerance(torch.float32))
+    print(f"{name} agrees with the chunked reference on {len(cases)} shapes")

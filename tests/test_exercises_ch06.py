@@ -1,0 +1,91 @@
+"""Chapter 06's checkers pass the shipped solutions, reject wrong answers, let a stub's error out."""
+import pytest
+import torch
+
+from chunkstate.exercises import ch06_state_in_out as ex
+from chunkstate.gates import prepare_chunk_offsets
+
+
+# ---- pack ----
+
+def test_pack_solution_passes():
+    ex.check_pack()
+
+
+def _lengths_not_offsets(seqs):
+    x, cu = ex.pack(seqs)
+    return x, torch.tensor([s.shape[0] for s in seqs] + [0], dtype=torch.int32)
+
+
+def _no_leading_zero(seqs):
+    x, cu = ex.pack(seqs)
+    return x, cu[1:]
+
+
+def _batch_major(seqs):  # stacks along a batch axis after padding: not packed
+    L = max(s.shape[0] for s in seqs)
+    x = torch.stack([torch.cat([s, s.new_zeros(L - s.shape[0], *s.shape[1:])]) for s in seqs])
+    return x, ex.pack(seqs)[1]
+
+
+def _reversed(seqs):
+    x, _ = ex.pack(seqs[::-1])
+    return x, ex.pack(seqs)[1]
+
+
+def _float_offsets(seqs):
+    x, cu = ex.pack(seqs)
+    return x, cu.float()
+
+
+@pytest.mark.parametrize("wrong", [_lengths_not_offsets, _no_leading_zero, _batch_major, _reversed, _float_offsets])
+def test_pack_wrong_answer_rejected(wrong):
+    with pytest.raises(AssertionError):
+        ex.check_pack(wrong)
+
+
+def test_pack_stub_error_propagates():
+    def stub(seqs):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):
+        ex.check_pack(stub)
+
+
+# ---- states_per_sequence ----
+
+def test_states_per_sequence_solution_passes():
+    ex.check_states_per_sequence()
+
+
+def _by_chunk_size(h, cu_seqlens, split_size):  # offsets counted in chunks of 16, not splits
+    offsets = prepare_chunk_offsets(cu_seqlens, 16).tolist()
+    return [h[0, a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _by_token_offsets(h, cu_seqlens, split_size):  # cu_seqlens // split_size: wrong for ragged ends
+    cu = (cu_seqlens // split_size).tolist()
+    return [h[0, a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _skips_empty(h, cu_seqlens, split_size):
+    pieces = ex.states_per_sequence(h, cu_seqlens, split_size)
+    return [p for p in pieces if p.shape[0] > 0]
+
+
+def _not_tensors(h, cu_seqlens, split_size):
+    return [p.tolist() for p in ex.states_per_sequence(h, cu_seqlens, split_size)]
+
+
+@pytest.mark.parametrize("wrong", [_by_chunk_size, _by_token_offsets, _skips_empty, _not_tensors])
+def test_states_per_sequence_wrong_answer_rejected(wrong):
+    with pytest.raises(AssertionError):
+        ex.check_states_per_sequence(wrong)
+
+
+def test_states_per_sequence_stub_error_propagates():
+    def stub(h, cu_seqlens, split_size):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):
+        ex.check_states_per_sequence(stub)
