@@ -27,8 +27,9 @@ def _config(BK, BV, warps, stages):
 # Every config that may ever run on a GPU (the compile-only test compiles each one for sm_90).
 ALL_CONFIGS = [_config(BK, BV, w, s)
                for BK in (32, 64, 128) for BV in (32, 64, 128)
-               for w in (2, 4, 8) for s in (2, 3, 4)
-               if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)]
+               for w in (2, 4, 8) for s in (2, 3, 4, 5)
+               if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)
+               and (s < 5 or (w >= 4 and BK * BV <= 64 * 64))]
 
 # The interpreter's single config: one tile covers K, V <= 64 (few programs: fast on CPU).
 INTERPRETER_CONFIG = _config(64, 64, 4, 1)
@@ -53,10 +54,18 @@ def grid_bucket(num_heads_total: int) -> int:
 
 
 def candidates(K: int, V: int, bucket: int) -> list[tuple[int, int, int, int]]:
-    """The short list (BK, BV, num_warps, num_stages) tried for one key."""
-    if bucket <= 1:  # under one wave: split the state finer and prefetch deeper
-        return [(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (32, 32, 2, 4)]
-    return [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 8, 3)]
+    """The short list (BK, BV, num_warps, num_stages) tried for one key.
+
+    Chosen from a sweep of every config on an H200 (bf16, K = V = 128 and 64/256, g and gk gates;
+    ``python -m chunkstate.bench --sweep``): under a quarter wave the winners are small tiles with
+    deep prefetch (32×32, 4 stages: a program streams slowly, so more programs and more bytes in
+    flight per program win); around one wave 64×128 or 64×64; beyond, 128×64 / 64×128.
+    """
+    if bucket == 0:
+        return [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
+    if bucket == 1:
+        return [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2)]
+    return [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3)]
 
 
 def prune(configs, named_args, **kwargs):

@@ -55,6 +55,8 @@ def chunk_fwd_kernel_h(
     ht,  # [N, H, K, V] (or [.., V, K])       out: final state, fp32
     cu_seqlens,  # [N + 1] packed-batch offsets
     split_offsets,  # [N + 1] first split slot of each packed sequence
+    decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
+    decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     T,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -72,6 +74,8 @@ def chunk_fwd_kernel_h(
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
+    STORE_STATES: tl.constexpr = True,  # False: only ht (and decays) — the pieces' first pass
+    STORE_DECAY: tl.constexpr = False,
 ):
     # ---- which tile of which (sequence, head): tiles of one head are neighbours (shared k, v in L2)
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -84,7 +88,9 @@ def chunk_fwd_kernel_h(
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
+        boh = 0
+        if STORE_STATES:
+            boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
     else:
         bos = i_n * T
         boh = i_n * tl.cdiv(T, BS)
@@ -105,12 +111,16 @@ def chunk_fwd_kernel_h(
         b_h = _load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
     if USE_G_GAMMA:
         b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+    if STORE_DECAY:
+        b_dk = tl.zeros([BK], dtype=tl.float32)  # [BK] running sum of the chunks' Γ, key side
+        b_dv = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
     for i_t in range(0, NT):
         t0 = tl.cast(i_t, tl.int64) * BT  # first token of the chunk
-        if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
-            i_s = boh + i_t // CHUNKS_PER_SPLIT
-            _store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+        if STORE_STATES:
+            if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
+                i_s = boh + i_t // CHUNKS_PER_SPLIT
+                _store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
         rows = t0 + o_t  # [BT] token index inside the sequence
         m_t = rows < T
         last = tl.minimum(t0 + BT, T) - 1  # last valid token of the chunk
@@ -127,11 +137,15 @@ def chunk_fwd_kernel_h(
             b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
             b_h *= tl.math.exp2(b_g_last)
             b_v *= tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
+            if STORE_DECAY:
+                b_dk += b_g_last
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1), Γ = γ·(valid length)
             b_gg = b_gamma * (o_t + 1).to(tl.float32)  # [BT]
             b_gg_last = b_gamma * (last - t0 + 1).to(tl.float32)
             b_h *= tl.math.exp2(b_gg_last)
             b_v *= tl.where(m_t, tl.math.exp2(b_gg_last - b_gg), 0.0)[:, None]
+            if STORE_DECAY:
+                b_dk += b_gg_last
         if USE_GK:  # key-side gate: columns of kᵀ, rows of h
             p_gk0 = gk + (bos * H + i_h) * K
             b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
@@ -139,6 +153,8 @@ def chunk_fwd_kernel_h(
             b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             b_h *= tl.math.exp2(b_gk_last)[:, None]
             b_k *= tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
+            if STORE_DECAY:
+                b_dk += b_gk_last
         if USE_GV:  # value-side gate: columns of v and of h
             p_gv0 = gv + (bos * H + i_h) * V
             b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
@@ -146,27 +162,38 @@ def chunk_fwd_kernel_h(
             b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
             b_h *= tl.math.exp2(b_gv_last)[None, :]
             b_v *= tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
+            if STORE_DECAY:
+                b_dv += b_gv_last
 
         # [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
         b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
 
     if STORE_FINAL_STATE:
         _store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+    if STORE_DECAY:  # one writer per element: the tiles of the first column (row) of tiles
+        if i_v == 0:
+            tl.store(decay_k + i_nh * K + o_k, b_dk, mask=m_k)
+        if USE_GV and i_k == 0:
+            tl.store(decay_v + i_nh * V + o_v, b_dv, mask=m_v)
 
 
 def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
-                    state_v_first, config=None):
-    """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``."""
+                    state_v_first, config=None, decay_k=None, decay_v=None):
+    """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``.
+
+    ``h`` None: store no states (only ``ht`` and, given ``decay_k``, each sequence's total decay)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     if N * H == 0:
         return
     args = dict(k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht,
-                cu_seqlens=cu_seqlens, split_offsets=split_offsets, T=T, H=H, K=K, V=V, BT=BT, BS=BS,
+                cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
+                T=T, H=H, K=K, V=V, BT=BT, BS=BS,
                 GRID=_tuning.grid_bucket(N * H),
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-                IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first)
+                IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first,
+                STORE_STATES=h is not None, STORE_DECAY=decay_k is not None)
 
     def grid(meta):
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
@@ -181,7 +208,7 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
 _tuned_forward = triton.autotune(
     configs=_tuning.CONFIGS,
     key=["K", "V", "BT", "BS", "GRID", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
-         "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN"],
+         "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
     prune_configs_by={"early_config_prune": _tuning.prune},
 )(chunk_fwd_kernel_h)
 
@@ -201,6 +228,7 @@ def chunk_fwd_h(
     split_size: int | None = None,
     states_in_fp32: bool = False,
     *,
+    pieces: int | None = None,
     config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The states entering every split: a drop-in for fla-core 0.6.0's ``chunk_fwd_h``.
@@ -218,6 +246,9 @@ def chunk_fwd_h(
         chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).
         split_size: BS, a multiple of BT (default BT): states are stored every BS tokens.
         states_in_fp32: store ``h`` in fp32 instead of k's dtype.
+        pieces: cut each sequence into this many pieces run in parallel (``chunkstate.pieces``);
+            None (default) decides from the occupancy (only far below one wave of programs),
+            1 never splits. The result is the same up to rounding.
         config: run one explicit ``triton.Config`` (BK, BV, warps, stages) instead of autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
@@ -250,6 +281,15 @@ def chunk_fwd_h(
         NS = int(split_offsets[-1])
     h = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=k.device) if output_final_state else None
-    _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
-                    state_v_first, config)
+    lengths = [T] * B if cu_seqlens is None else _pieces.lengths(cu_seqlens)
+    P = _pieces.choose(pieces, N, H, K, V, lengths, BS)
+    if P > 1:
+        _pieces.forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, state_v_first, P,
+                                  config)
+    else:
+        _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
+                        state_v_first, config)
     return h, ht
+
+
+from . import pieces as _pieces  # noqa: E402  (pieces builds on this module's kernel)
