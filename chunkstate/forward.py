@@ -42,7 +42,7 @@ def _load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl
     return b.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "GRID"])
 def chunk_fwd_kernel_h(
     k,  # [B, T, H, K]
     v,  # [B, T, H, V]
@@ -58,6 +58,7 @@ def chunk_fwd_kernel_h(
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     T,
+    GRID,  # autotune key only, never specialised: N·H relative to the SM count (see _tuning)
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -65,7 +66,6 @@ def chunk_fwd_kernel_h(
     BS: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    GRID: tl.constexpr,  # autotune key only: N·H relative to the SM count (see _tuning)
     USE_G: tl.constexpr,
     USE_G_GAMMA: tl.constexpr,
     USE_GK: tl.constexpr,
