@@ -1,0 +1,47 @@
+"""Shared fixtures for the unit tests in tests/ (notebooks have their own notebooks/conftest.py).
+
+- Every test here runs with ``torch.empty`` / ``torch.empty_like`` returning NaN-filled tensors
+  (``chunkstate.testing.nan_poisoned_empty``), so an output element a kernel never writes shows
+  up as NaN instead of as leftover memory that happens to look right.
+- ``device``: where kernel inputs must live (``chunkstate.DEVICE``: "cuda", or "cpu" under
+  Triton's interpreter).
+- torch uses one CPU thread (tiny tensors; see ``pytest_configure``).
+- ``@pytest.mark.gpu``: the test needs a CUDA GPU (bf16, large shapes, many autotune configs);
+  it is skipped, saying why, under the interpreter.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import chunkstate
+from chunkstate.testing import nan_poisoned_empty
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped under Triton's interpreter")
+    # The tests' CPU tensors are tiny: one intra-op thread is faster than several, and several
+    # threads fighting other processes for a few cores made the reference tests 10x slower.
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if chunkstate.DEVICE == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (chunkstate runs Triton's interpreter on CPU here)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _nan_poisoned_empty():
+    """NaN-poison torch.empty / torch.empty_like for the duration of each test."""
+    with nan_poisoned_empty():
+        yield
+
+
+@pytest.fixture
+def device() -> str:
+    """``chunkstate.DEVICE``: "cuda" on a GPU machine, "cpu" under Triton's interpreter."""
+    return chunkstate.DEVICE
