@@ -1,0 +1,340 @@
+"""Chunked gated linear attention, forward and backward: ``chunk_gla``.
+
+The op puts the pieces of the package together. Per (sequence, head), with natural-log per-token
+gates (scalar ``g`` and/or per-key ``gk``; their sum ``a_t`` is the log-decay of the key side), the
+token recurrence ``S_t = diag(e^{a_t}) S_{t-1} + k_t v_tᵀ``, ``o_t = s · S_tᵀ q_t`` is computed a
+chunk of BT tokens at a time. Inside chunk n, with ``G`` the chunk-local inclusive cumulative sum
+of ``a`` and ``Γ = G[last token]``::
+
+    o_i  = s · [ (q_i ⊙ e^{G_i})ᵀ h[n]  +  Σ_{j≤i} P_ij v_j ],   P_ij = Σ_k q_ik k_jk e^{G_ik − G_jk}
+
+- the *inter-chunk* part reads ``h[n]``, the state entering chunk n, from the kernel
+  ``chunk_fwd_h`` (one program per state tile walks the chunks in order);
+- the *intra-chunk* part is plain PyTorch, batched over every chunk of every sequence at once.
+
+The backward is the same split (NOTES.md §2). The kernel ``chunk_bwd_dh`` gives ``dh[n]``, the
+gradient w.r.t. the state *leaving* chunk n (outputs after it, plus ``dht``), and ``dh0``; then per
+chunk, with ``dA_ij = s · do_i·v_j`` (j ≤ i)::
+
+    dv_j = s · Σ_{i≥j} P_ij do_i  +  (k_j ⊙ e^{Γ−G_j})ᵀ dh[n]
+    dq_i = s · e^{G_i} ⊙ (h[n] do_i)  +  Σ_{j≤i} dA_ij · k_j ⊙ e^{G_i−G_j}
+    dk_j = e^{Γ−G_j} ⊙ (dh[n] v_j)     +  Σ_{i≥j} dA_ij · q_i ⊙ e^{G_i−G_j}
+    dG_i = q_i ⊙ dq_i − k_i ⊙ dk_i      (+ at the chunk's last token: Σ_j k_j ⊙ dk_inter_j
+                                           + e^{Γ} ⊙ Σ_v h[n] ⊙ dh[n])
+
+and since ``G`` is a cumulative sum of ``a``, ``da`` is the *reverse* cumulative sum of ``dG``
+inside each chunk: ``dgk = da``, ``dg = Σ_k da``.
+
+Design choices, each for clarity or safety:
+
+- **Units.** The kernels take the gates' chunk-local cumsums in log2 units
+  (``gates.chunk_local_cumsum``); the PyTorch part uses the very same tensors with ``exp2``
+  (``2^{G/ln 2} = e^{G}``). The gradient formulas above are w.r.t. the natural-log gates.
+- **No overflow under strong decays.** A factor ``e^{G_i}`` or ``e^{Γ−G_j}`` is ≤ 1 for decaying
+  gates. ``e^{G_i − G_j}`` is never split into ``e^{G_i}·e^{−G_j}`` over a whole chunk (``e^{−G_j}``
+  overflows fp32 once a chunk decays by more than ~88 nats). Instead the chunk is cut into
+  sub-chunks of ``BC = 16`` tokens: for rows i after sub-chunk c and columns j inside it the
+  product goes through ``r`` = the last token of sub-chunk c, ``e^{G_i−G_r} · e^{G_r−G_j}``, both
+  factors ≤ 1 (a matmul per sub-chunk, as fla does); the 16×16 diagonal blocks take the difference
+  ``e^{G_i−G_j}`` elementwise, one column j at a time.
+- **Packed (varlen) batches: each sequence is padded to a multiple of BT.** Tokens are gathered
+  into a chunk layout [C, H, BT, D] (C = all chunks of all sequences, in the kernels' state
+  order); a padded slot holds zeros for q, k, v, do and repeats the last valid token's ``G``, so
+  it adds nothing and the chunk's last slot carries ``Γ``. An empty sequence owns no chunk (its
+  ``ht`` is ``h0``); a one-token sequence owns one chunk of one valid token. Dense batches use
+  the same layout (sequences of length T), a plain reshape when T is a multiple of BT.
+- **States in fp32 for the backward.** The backward recomputes ``h`` with
+  ``states_in_fp32=True`` and asks for ``dh`` in fp32 (as fla does): bf16 states carry ~3
+  significant digits, and the gate gradient ``dG = q ⊙ dq − k ⊙ dk`` subtracts two large,
+  nearly equal terms and then sums them over up to BT tokens, which amplifies that rounding into
+  a visibly wrong ``dg``. Nothing is kept from the forward but the inputs: ``h``, ``G`` and the
+  intra-chunk matrix ``P`` are recomputed, so no state memory lives between forward and backward.
+  The forward stores ``h`` in the inputs' dtype (only the output reads it, once).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _validate
+from .backward import chunk_bwd_dh
+from .forward import chunk_fwd_h
+from .gates import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+
+BC = 16  # sub-chunk: diagonal blocks of the intra-chunk matrix are BC x BC, taken elementwise
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk layout: every sequence padded to a multiple of BT, tokens of one chunk together
+# ---------------------------------------------------------------------------------------------
+
+class ChunkLayout:
+    """Where each token lives in the chunk layout [C, H, BT, D], and back.
+
+    ``C`` chunks in the kernels' state order (sequence by sequence, chunk by chunk), so chunk c's
+    entering state is ``h.reshape(C, H, K, V)[c]``. Slot p of chunk c holds token
+    ``index[c, p]``; slots past a sequence's end (``valid`` False) repeat its last token's index.
+    """
+
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device):
+        self.B, self.T, self.BT = B, T, chunk_size
+        self.identity = cu_seqlens is None and T % chunk_size == 0  # a plain reshape
+        if cu_seqlens is None:
+            cu = torch.arange(B + 1, device=device, dtype=torch.long) * T  # B sequences of length T
+        else:
+            cu = cu_seqlens.to(torch.long)
+        lens = cu[1:] - cu[:-1]
+        chunks = prepare_chunk_indices(cu, chunk_size)  # [C, 2]: (sequence, chunk in sequence)
+        self.C = chunks.shape[0]
+        if self.identity:
+            return
+        seq, first = chunks[:, 0], chunks[:, 1] * chunk_size
+        n_valid = torch.clamp(lens[seq] - first, max=chunk_size)  # [C] >= 1
+        slot = torch.arange(chunk_size, device=device)
+        self.valid = (slot[None, :] < n_valid[:, None]).reshape(-1)  # [C·BT]
+        self.index = (cu[seq] + first)[:, None] + torch.minimum(slot[None, :], n_valid[:, None] - 1)
+        self.index = self.index.reshape(-1)  # [C·BT] token (in the flattened B·T) of each slot
+        t = torch.arange(int(cu[-1]), device=device)
+        s = torch.searchsorted(cu[1:], t, right=True)  # sequence of each token
+        local = t - cu[s]
+        self.pos = (prepare_chunk_offsets(cu, chunk_size)[s] + local // chunk_size) * chunk_size \
+            + local % chunk_size  # [B·T] slot of each token
+
+    def to_chunks(self, x: torch.Tensor, pad: str = "zero") -> torch.Tensor:
+        """[B, T, H, D] -> [C, H, BT, D] fp32; padded slots are 0 (``pad="zero"``) or repeat the
+        sequence's last token (``pad="last"``, for cumulative gates)."""
+        B, T, H, D = x.shape
+        x = x.reshape(B * T, H, D).float()
+        if not self.identity:
+            x = x.index_select(0, self.index)
+            if pad == "zero":
+                x = x * self.valid[:, None, None]
+        return x.reshape(self.C, self.BT, H, D).transpose(1, 2).contiguous()
+
+    def from_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[C, H, BT, D] -> [B, T, H, D] (padded slots dropped)."""
+        C, H, BT, D = x.shape
+        x = x.transpose(1, 2).reshape(C * BT, H, D)
+        if not self.identity:
+            x = x.index_select(0, self.pos)
+        return x.reshape(self.B, self.T, H, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# The intra-chunk part, batched over all chunks: tensors [C, H, BT, D] fp32, G in log2 units
+# ---------------------------------------------------------------------------------------------
+
+def _off_diagonal_factors(G: torch.Tensor, lo: int, hi: int):
+    """Decay factors through the last token r = hi-1 of sub-chunk [lo, hi): for rows i >= hi,
+    ``2^{G_i - G_r}`` [C,H,BT-hi,K]; for columns j in [lo, hi), ``2^{G_r - G_j}`` [C,H,BC,K].
+    Their product is ``2^{G_i - G_j}`` and each is <= 1 for decaying gates."""
+    ref = G[:, :, hi - 1:hi]
+    return torch.exp2(G[:, :, hi:] - ref), torch.exp2(ref - G[:, :, lo:hi])
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """[C, H, BT, D] -> [C, H, NC, BC, D] (a view): the sub-chunks."""
+    C, H, BT, D = x.shape
+    return x.view(C, H, BT // BC, BC, D)
+
+
+def intra_attention(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``P`` [C, H, BT, BT]: ``P_ij = Σ_k q_ik k_jk 2^{G_ik − G_jk}`` for j <= i, 0 above.
+
+    q, k, G: [C, H, BT, K] fp32 (G a chunk-local cumsum in log2 units). Every exponent taken is
+    <= 0 for decaying gates (module docstring)."""
+    C, H, BT, K = q.shape
+    P = q.new_zeros(C, H, BT, BT)
+    for lo in range(0, BT, BC):  # rows after sub-chunk [lo, hi), its columns: one matmul
+        hi = lo + BC
+        if hi < BT:
+            f_row, f_col = _off_diagonal_factors(G, lo, hi)
+            P[:, :, hi:, lo:hi] = (q[:, :, hi:] * f_row) @ (k[:, :, lo:hi] * f_col).transpose(-1, -2)
+    qb, kb, Gb = _blocks(q), _blocks(k), _blocks(G)  # [C, H, NC, BC, K]
+    Pb = q.new_zeros(*qb.shape[:3], BC, BC)  # the diagonal blocks
+    for j in range(BC):  # column j of every diagonal block, rows i >= j
+        E = torch.exp2(Gb[..., j:, :] - Gb[..., j:j + 1, :])  # [C, H, NC, BC-j, K]
+        Pb[..., j:, j] = (qb[..., j:, :] * kb[..., j:j + 1, :] * E).sum(-1)
+    for c, lo in enumerate(range(0, BT, BC)):
+        P[:, :, lo:lo + BC, lo:lo + BC] = Pb[:, :, c]
+    return P
+
+
+def intra_attention_grads(q, k, G, dP):
+    """Gradients of ``Σ_ij dP_ij P_ij`` (``P`` = :func:`intra_attention`, ``dP`` lower-triangular
+    [C, H, BT, BT]) w.r.t. q and k, holding G fixed: ``dq_i = Σ_{j≤i} dP_ij k_j ⊙ 2^{G_i−G_j}``,
+    ``dk_j = Σ_{i≥j} dP_ij q_i ⊙ 2^{G_i−G_j}``; [C, H, BT, K] each, same sub-chunk safety."""
+    C, H, BT, K = q.shape
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    for lo in range(0, BT, BC):
+        hi = lo + BC
+        if hi < BT:
+            f_row, f_col = _off_diagonal_factors(G, lo, hi)
+            dP_c = dP[:, :, hi:, lo:hi]  # [C, H, BT-hi, BC]
+            dq[:, :, hi:] += f_row * (dP_c @ (k[:, :, lo:hi] * f_col))
+            dk[:, :, lo:hi] += f_col * (dP_c.transpose(-1, -2) @ (q[:, :, hi:] * f_row))
+    qb, kb, Gb, dqb, dkb = _blocks(q), _blocks(k), _blocks(G), _blocks(dq), _blocks(dk)
+    dPb = torch.stack([dP[:, :, lo:lo + BC, lo:lo + BC] for lo in range(0, BT, BC)], 2)  # [C,H,NC,BC,BC]
+    for j in range(BC):
+        E = torch.exp2(Gb[..., j:, :] - Gb[..., j:j + 1, :])  # [C, H, NC, BC-j, K]
+        w = dPb[..., j:, j, None] * E  # [C, H, NC, BC-j, K]
+        dqb[..., j:, :] += w * kb[..., j:j + 1, :]
+        dkb[..., j, :] += (w * qb[..., j:, :]).sum(-2)
+    return dq, dk
+
+
+def intra_forward(q, k, v, G, h, scale: float) -> torch.Tensor:
+    """The outputs of every chunk: ``o = s·[(q ⊙ 2^G) h + P v]`` [C, H, BT, V].
+
+    q, k, G: [C, H, BT, K]; v: [C, H, BT, V]; h: [C, H, K, V] the state entering each chunk
+    (all fp32, G in log2 units)."""
+    P = intra_attention(q, k, G)
+    return scale * ((q * torch.exp2(G)) @ h + P @ v)
+
+
+def intra_backward(q, k, v, G, h, do, dh, scale: float):
+    """The chunks' gradients given ``dh`` [C, H, K, V], the gradient w.r.t. the state *leaving*
+    each chunk: returns dq, dk [C,H,BT,K], dv [C,H,BT,V] and dG [C,H,BT,K], the gradient w.r.t.
+    the chunk-local cumsum (natural-log units), last slot included (module docstring)."""
+    P = intra_attention(q, k, G)
+    dP = (scale * (do @ v.transpose(-1, -2))).tril()  # dA_ij = s·do_i·v_j, j <= i
+    G_end = G[:, :, -1:]  # [C, H, 1, K]: Γ (padded slots repeat the last valid token)
+    to_end = torch.exp2(G_end - G)  # k_j's decay to the chunk's end, <= 1
+    dv = scale * (P.transpose(-1, -2) @ do) + (k * to_end) @ dh
+    dk_inter = to_end * (v @ dh.transpose(-1, -2))
+    dq_intra, dk_intra = intra_attention_grads(q, k, G, dP)
+    dq = scale * torch.exp2(G) * (do @ h.transpose(-1, -2)) + dq_intra
+    dk = dk_inter + dk_intra
+    dG = q * dq - k * dk
+    # Γ itself: the state leaving the chunk is 2^Γ·h + Σ_j (k_j ⊙ 2^{Γ−G_j}) v_jᵀ.
+    dG[:, :, -1] += (k * dk_inter).sum(2) + torch.exp2(G_end[:, :, 0]) * (h * dh).sum(-1)
+    return dq, dk, dv, dG
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------
+
+def _gate_cumsums(g, gk, chunk_size, cu_seqlens):
+    """The kernels' gates: chunk-local cumsums in log2 units (fp32), or None."""
+    Gg = None if g is None else chunk_local_cumsum(g, chunk_size, cu_seqlens)
+    Gk = None if gk is None else chunk_local_cumsum(gk, chunk_size, cu_seqlens)
+    return Gg, Gk
+
+
+def _key_side_G(layout: ChunkLayout, Gg, Gk, like: torch.Tensor) -> torch.Tensor:
+    """The key-side cumsum ``G = Gg + Gk`` (log2) in the chunk layout [C, H, BT, K]."""
+    C, H, BT, K = like.shape
+    G = like.new_zeros(C, H, BT, K)
+    if Gg is not None:
+        G = G + layout.to_chunks(Gg[..., None], pad="last")
+    if Gk is not None:
+        G = G + layout.to_chunks(Gk, pad="last")
+    return G
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    """Autograd glue of :func:`chunk_gla` (inputs validated there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+        B, T, H, K = q.shape
+        Gg, Gk = _gate_cumsums(g, gk, chunk_size, cu_seqlens)
+        h, ht = chunk_fwd_h(k, v, g=Gg, gk=Gk, h0=initial_state, output_final_state=output_final_state,
+                            cu_seqlens=cu_seqlens, chunk_size=chunk_size, states_in_fp32=False)
+        layout = ChunkLayout(B, T, cu_seqlens, chunk_size, q.device)
+        qc, kc, vc = layout.to_chunks(q), layout.to_chunks(k), layout.to_chunks(v)
+        G = _key_side_G(layout, Gg, Gk, qc)
+        o = intra_forward(qc, kc, vc, G, h.reshape(layout.C, H, K, -1).float(), scale)
+        ctx.save_for_backward(q, k, v, g, gk, initial_state, cu_seqlens)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)
+        return layout.from_chunks(o).to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, gk, initial_state, cu_seqlens = ctx.saved_tensors
+        scale, BT = ctx.scale, ctx.chunk_size
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        if do is None:  # only ht was used
+            do = torch.zeros_like(v)
+        do = do.to(q.dtype)
+        Gg, Gk = _gate_cumsums(g, gk, BT, cu_seqlens)
+        # States in fp32: the gate gradient amplifies bf16 rounding (module docstring).
+        h, _ = chunk_fwd_h(k, v, g=Gg, gk=Gk, h0=initial_state, cu_seqlens=cu_seqlens, chunk_size=BT,
+                           states_in_fp32=True)
+        dh, dh0 = chunk_bwd_dh(q, k, v, do, initial_state, dht, scale, g=Gg, gk=Gk, cu_seqlens=cu_seqlens,
+                               chunk_size=BT, states_in_fp32=True)
+        layout = ChunkLayout(B, T, cu_seqlens, BT, q.device)
+        qc, kc, vc, doc = (layout.to_chunks(x) for x in (q, k, v, do))
+        G = _key_side_G(layout, Gg, Gk, qc)
+        dq, dk, dv, dG = intra_backward(qc, kc, vc, G, h.reshape(layout.C, H, K, V).float(), doc,
+                                        dh.reshape(layout.C, H, K, V).float(), scale)
+        dg = dgk = None
+        if g is not None or gk is not None:
+            da = layout.from_chunks(dG.flip(2).cumsum(2).flip(2))  # reverse cumsum in each chunk
+            dgk = None if gk is None else da.to(gk.dtype)
+            dg = None if g is None else da.sum(-1).to(g.dtype)
+        dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
+        return (layout.from_chunks(dq).to(q.dtype), layout.from_chunks(dk).to(k.dtype),
+                layout.from_chunks(dv).to(v.dtype), dg, dgk, None, dh0, None, None, None)
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked gated linear attention, differentiable in every tensor argument.
+
+    Per (sequence, head): ``S_t = diag(e^{g_t + gk_t}) S_{t-1} + k_t v_tᵀ``, ``o_t = scale·S_tᵀ q_t``,
+    ``S_{-1} = initial_state`` (or 0). ``g`` alone is simple GLA (a Mamba-2-style scalar decay),
+    ``gk`` alone is GLA; both may be given (their log-decays add), or neither (plain linear
+    attention). The module docstring has the chunked math, its gradients and the design.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V] (one float dtype: fp16, bf16 or fp32).
+        g: [B, T, H] scalar gate, gk: [B, T, H, K] per-key gate: *natural-log* per-token decays
+            (e.g. ``F.logsigmoid(x)``), any float dtype; the op takes their chunk-local cumulative
+            sums itself (log2 units for the kernels). For overflow safety they should be <= 0.
+        scale: a real number (default ``K ** -0.5``).
+        initial_state: [N, H, K, V] (any float dtype), N = B, or the number of packed sequences.
+        output_final_state: also return ``ht``.
+        cu_seqlens: [N + 1] int32/int64 offsets of sequences packed along T (then B must be 1).
+        chunk_size: BT, a power of two in [16, 256].
+    Returns:
+        o: [B, T, H, V] in v's dtype;
+        ht: [N, H, K, V] fp32, the state after each sequence's last token (``initial_state``, or
+            0, for an empty sequence), or None unless ``output_final_state``.
+    Gradients: for q, k, v, g, gk and initial_state, in their dtypes (through ``ht`` too).
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices,
+        sizes, offsets or a non-real ``scale``.
+    """
+    q = _validate.tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
+    B, T, H, K = q.shape
+    k = _validate.tensor("k", k, (B, T, H, K), like=q)
+    v = _validate.tensor("v", v, (B, T, H, None), like=q)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    _validate.kernel_device("q", q)
+    V = v.shape[-1]
+    g, _, gk, _ = _validate.gates(B, T, H, K, V, g, None, gk, None, like=q)
+    scale = K ** -0.5 if scale is None else _validate.real("scale", scale)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    BT, _ = _validate.sizes(chunk_size, None)
+    cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=q)
+    if initial_state is not None:
+        initial_state = _validate.tensor("initial_state", initial_state, (N, H, K, V), like=q)
+    return ChunkGLAFunction.apply(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, BT)
