@@ -11,10 +11,18 @@ passed as ``log2(e) * g_gamma``.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
+from . import _validate
+
 RCP_LN2 = 1.0 / math.log(2.0)  # log2(e): natural-log gates times this are log2 gates
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
 def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -27,13 +35,18 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
 
     Sequence n of length L_n owns ``ceil(L_n / chunk_size)`` slots (none when empty), so its
     states are ``h[0, offsets[n] : offsets[n+1]]`` and ``offsets[-1]`` is the total count.
+    Raises ValueError unless ``chunk_size`` is a positive int.
     """
+    _check_chunk_size(chunk_size)
     n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
     return torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)])
 
 
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """One row per chunk of a packed batch: [NT, 2] int64 of (sequence n, chunk index in n)."""
+    """One row per chunk of a packed batch: [NT, 2] int64 of (sequence n, chunk index in n).
+
+    Raises ValueError unless ``chunk_size`` is a positive int."""
+    _check_chunk_size(chunk_size)
     n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
     seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=cu_seqlens.device), n_chunks)
     first = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)[:-1]])
@@ -68,12 +81,18 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     Returns:
         a tensor shaped like ``gate``: ``out[:, t] = scale * sum(gate[:, s])`` over the tokens s of
         t's chunk with s <= t (s >= t when ``reverse``). Summed in float64 for accuracy.
+    Raises:
+        ValueError: ``gate`` not 3-D or 4-D; ``chunk_size`` not a positive int; ``cu_seqlens``
+        with B != 1, or not a 1-D int tensor [0, ..., T] that never decreases.
     """
     if gate.dim() not in (3, 4):
         raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
     if cu_seqlens is not None and gate.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
+    _check_chunk_size(chunk_size)
     T = gate.shape[1]
+    # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
+    _validate.cu_seqlens(cu_seqlens, gate.shape[0], T, like=gate if cu_seqlens is None else cu_seqlens)
     ids = _chunk_ids(T, chunk_size, cu_seqlens, gate.device)
     x = gate.to(torch.float64)
     if reverse:
