@@ -362,3 +362,70 @@ def chunk_gla(
     if initial_state is not None:
         initial_state = _validate.tensor("initial_state", initial_state, (N, H, K, V), like=q)
     return ChunkGLAFunction.apply(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, BT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing on a GPU
+# ---------------------------------------------------------------------------------------------
+
+def bench_against_fla(B: int = 8, T: int = 4096, H: int = 16, K: int = 128, V: int = 128,
+                      dtype: torch.dtype = torch.bfloat16, gate: str = "gk", chunk_size: int = 64) -> dict:
+    """Median times (ms, ``triton.testing.do_bench``) of the forward and of forward+backward of
+    :func:`chunk_gla` and of fla's op on the same inputs, printed and returned.
+
+    ``gate="gk"`` compares with ``fla.ops.gla.chunk_gla`` (per-key gate), ``gate="g"`` with
+    ``fla.ops.simple_gla.chunk_simple_gla`` (scalar gate). Gates are ``logsigmoid`` of N(0, 1)
+    in fp32; ``do`` is a fixed random gradient; every input needs a gradient. fla's entry is a
+    string saying why when fla is not importable or refuses to run (fla 0.6.0 raises for the gated
+    simple-GLA backward on Hopper with Triton < 3.7.1). Needs a CUDA GPU (raises RuntimeError).
+    """
+    if not torch.cuda.is_available() or _validate.INTERPRET:
+        raise RuntimeError("bench_against_fla needs a CUDA GPU (chunkstate's kernels compiled, not interpreted)")
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    if gate not in ("g", "gk"):
+        raise ValueError(f'gate must be "g" or "gk", got {gate!r}')
+    dev = "cuda"
+    q, k = (torch.randn(B, T, H, K, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev, dtype=dtype, requires_grad=True)
+    shape = (B, T, H) if gate == "g" else (B, T, H, K)
+    a = F.logsigmoid(torch.randn(*shape, device=dev)).requires_grad_()
+    do = torch.randn(B, T, H, V, device=dev, dtype=dtype)
+    leaves = [q, k, v, a]
+
+    def ours():
+        return chunk_gla(q, k, v, **{gate: a}, chunk_size=chunk_size)[0]
+
+    theirs = None
+    try:
+        if gate == "gk":
+            from fla.ops.gla import chunk_gla as fla_op
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as fla_op
+
+        def theirs():
+            return fla_op(q, k, v, g=a)[0]
+    except ImportError as e:
+        theirs = f"fla not importable ({e})"
+
+    results = {}
+    for name, f in (("chunkstate", ours), ("fla", theirs)):
+        if isinstance(f, str):
+            results[name] = f
+            continue
+        results[name] = {}
+        for what, fn in (("fwd", f), ("fwd+bwd", lambda: f().backward(do))):
+            try:
+                results[name][what] = do_bench(fn, grad_to_none=leaves, return_mode="median")
+            except RuntimeError as e:
+                if name == "chunkstate":
+                    raise
+                results[name][what] = f"fla raised: {e}"
+    print(f"chunk_gla B{B} T{T} H{H} K{K} V{V} {str(dtype).replace('torch.', '')} gate={gate} BT={chunk_size} "
+          "(median ms):")
+    for name, r in results.items():
+        line = r if isinstance(r, str) else "  ".join(
+            f"{what} {t:.3f}" if isinstance(t, float) else f"{what}: {t}" for what, t in r.items())
+        print(f"  {name:10s} {line}")
+    return results
