@@ -1,0 +1,98 @@
+"""The benchmark's figure (chapter 11): each case's time against the copy roof, chunkstate and fla.
+
+``draw(report)`` takes a report written by ``python -m chunkstate.bench`` (the JSON in
+``figures/bench_h200.json``: ``{"meta": ..., "cases": [...]}``) and returns a two-panel figure:
+
+- top: time / floor per case (floor = the case's unique bytes / the measured copy bandwidth), so
+  1 is the copy roof and lower is better;
+- bottom: effective bandwidth per case (unique bytes / time) against the copy bandwidth.
+
+A case where fla's result is known to be wrong (its backward with split_size > chunk_size) is
+drawn hatched. ``main()`` redraws ``figures/bench_h200*.png`` from the JSON files committed beside
+them (no GPU needed); it draws nothing when there are none.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import FIGURES_DIR
+
+OURS_COLOR, FLA_COLOR = "#4C72B0", "#DD8452"
+
+
+def _finite(x):
+    return x is not None and x == x and x not in (float("inf"), float("-inf"))
+
+
+def _value(result: dict, who: str, key: str):
+    entry = result.get(who) or {}
+    x = entry.get(key)
+    return x if _finite(x) else None
+
+
+def draw(report: dict):
+    """Two panels (time / floor, effective TB/s) with one pair of bars per case; returns the figure."""
+    import matplotlib.pyplot as plt
+
+    meta, cases = report.get("meta", {}), [c for c in report.get("cases", []) if c.get("ours")]
+    n = len(cases)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8.0, 0.34 * n + 2.5), 8.5), sharex=True)
+    x = list(range(n))
+    w = 0.4
+    copy = (meta.get("copy") or {}).get("tbps")
+    for ax, key in ((ax1, "x_floor"), (ax2, "tbps")):
+        ours = [_value(c, "ours", key) for c in cases]
+        ax.bar([i - w / 2 for i in x], [v or 0.0 for v in ours], w, color=OURS_COLOR, label="chunkstate")
+        fla_ok = [i for i, c in enumerate(cases) if c.get("fla") and c["fla"].get("valid", True)]
+        fla_bad = [i for i, c in enumerate(cases) if c.get("fla") and not c["fla"].get("valid", True)]
+        if fla_ok:
+            ax.bar([i + w / 2 for i in fla_ok], [_value(cases[i], "fla", key) or 0.0 for i in fla_ok], w,
+                   color=FLA_COLOR, label="fla-core 0.6.0")
+        if fla_bad:
+            ax.bar([i + w / 2 for i in fla_bad], [_value(cases[i], "fla", key) or 0.0 for i in fla_bad], w,
+                   color="white", edgecolor=FLA_COLOR, hatch="///",
+                   label="fla-core 0.6.0, wrong result (bwd with split > chunk)")
+        ax.grid(True, axis="y", alpha=0.3)
+    ax1.axhline(1.0, color="black", lw=1, ls="--", label="floor: unique bytes / copy bandwidth")
+    ax1.set_ylabel("time / floor  (1 = copy roof, lower is better)")
+    if copy:
+        ax2.axhline(copy, color="black", lw=1, ls="--", label=f"copy bandwidth {copy:.2f} TB/s")
+    ax2.set_ylabel("effective TB/s  (unique bytes / time)")
+    ax2.set_xticks(x)
+    ax2.set_xticklabels([c["case"] for c in cases], rotation=90, fontsize=7)
+    for ax in (ax1, ax2):  # head room for the legend
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
+        ax.legend(fontsize=8, loc="upper left", ncol=2)
+    versions = meta.get("versions", {})
+    title = (f"chunk_fwd_h / chunk_bwd_dh on {meta.get('device', {}).get('name', '?')}"
+             f" ({meta.get('date', '?')}): torch {versions.get('torch', '?')}, triton {versions.get('triton', '?')},"
+             f" fla-core {versions.get('fla', 'n/a')}")
+    fla_note = (meta.get("fla") or {}).get("configs_note")
+    if fla_note:
+        title += f"\nfla autotune: {fla_note}"
+    ax1.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def save_png(report: dict, path) -> Path:
+    """Draw ``report`` and write it to ``path`` (PNG, no timestamp metadata: same report, same bytes)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = draw(report)
+    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def main():
+    """Redraw ``figures/bench_h200*.png`` from the reports beside them (sweeps have no figure)."""
+    paths = []
+    for report_path in sorted(FIGURES_DIR.glob("bench_h200*.json")):
+        report = json.loads(report_path.read_text())
+        if "cases" in report:
+            paths.append(save_png(report, report_path.with_suffix(".png")))
+    return paths

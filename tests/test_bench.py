@@ -1,0 +1,362 @@
+"""The benchmark's pipeline on CPU (``chunkstate.bench``): byte counts against a hand count, the case
+grids, the derived numbers, the table, the JSON and the figure, the planner, the autotuner
+plumbing and the exit without a GPU. Nothing here times a kernel: timings are synthetic.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import triton
+import triton.language as tl
+
+import chunkstate
+from chunkstate import bench
+from chunkstate.bench import Case, Shape
+from chunkstate.figures import speed
+
+ON_GPU = chunkstate.DEVICE == "cuda"
+B8 = Shape(8, 4096, 16)
+VARLEN = Shape(1, 32768, 16, lens=bench.VARLEN_LENS)
+
+
+# -- bytes
+
+def test_forward_bytes_by_hand():
+    # B8 T4096 H16, K = V = 128: 8·4096·16 = 524,288 (token, head) pairs.
+    # k, v: 524,288 · 128 · 2 B; g: 524,288 · 4 B; h: 8 · (4096/64) = 512 states · 16 heads · 128² · 2 B.
+    parts = bench.unique_bytes(Case(B8, "fwd"))
+    assert parts == {"k": 134_217_728, "v": 134_217_728, "g": 2_097_152, "h": 268_435_456}
+    assert sum(parts.values()) == 538_968_064
+    # with an initial and a final state: 8 · 16 · 128² · 4 B each, fp32
+    parts = bench.unique_bytes(Case(B8, "fwd"), h0=True, final=True)
+    assert parts["h0"] == parts["ht"] == 8_388_608
+
+
+def test_backward_bytes_never_count_k_and_v():
+    parts = bench.unique_bytes(Case(B8, "bwd"))
+    assert parts == {"q": 134_217_728, "do": 134_217_728, "g": 2_097_152, "dh": 268_435_456}
+    parts = bench.unique_bytes(Case(B8, "bwd"), h0=True, final=True)
+    assert set(parts) == {"q", "do", "g", "dht", "dh", "dh0"}
+
+
+def test_packed_gk_fp32_split_bytes_by_hand():
+    # lengths 8192, 6000, 5000, 4096, 3500, 3000, 2000, 980 over BS = 256:
+    # 32 + 24 + 20 + 16 + 14 + 12 + 8 + 4 = 130 gradient slots.
+    parts = bench.unique_bytes(Case(VARLEN, "bwd", gate="gk", states="fp32", split=256))
+    assert bench.n_splits(VARLEN, 256) == 130
+    assert parts == {"q": 134_217_728, "do": 134_217_728, "gk": 268_435_456, "dh": 130 * 16 * 128 * 128 * 4}
+
+
+def test_shape_checks_packed_lengths():
+    with pytest.raises(ValueError, match="B = 1"):
+        Shape(2, 100, 4, lens=(50, 50))
+    with pytest.raises(ValueError, match="sum"):
+        Shape(1, 100, 4, lens=(50, 40))
+
+
+# -- grids
+
+def test_default_grid():
+    cases = bench.make_cases()
+    assert len(cases) == len(bench.SHAPES) * 2 + len(bench.VARIANT_SHAPES) * 2 * 3 == 40
+    base = {(c.shape, c.direction) for c in cases if (c.gate, c.states, c.split) == ("g", "bf16", None)}
+    assert base == {(s, d) for s in bench.SHAPES for d in ("fwd", "bwd")}
+    variants = [c for c in cases if (c.gate, c.states, c.split) != ("g", "bf16", None)]
+    assert {c.shape for c in variants} == set(bench.VARIANT_SHAPES)
+    for c in variants:  # each varies exactly one thing
+        assert [c.gate != "g", c.states != "bf16", c.split is not None].count(True) == 1
+    assert len(set(cases)) == len(cases)
+    # shape by shape (autotune caches are cleared per shape)
+    order = [c.shape for c in cases]
+    assert order == sorted(order, key=lambda s: bench.SHAPES.index(s))
+
+
+def test_full_quick_and_filtered_grids():
+    full = bench.make_cases("full")
+    assert len(full) == len(set(full)) == len(bench.SHAPES) * 16
+    quick = bench.make_cases("quick")
+    assert 2 <= len(quick) <= 6 and {c.direction for c in quick} == {"fwd", "bwd"}
+    assert {c.shape for c in bench.make_cases("default", ["varlen"])} == {VARLEN}
+    assert bench.make_cases("default", ["no such shape"]) == []
+    with pytest.raises(ValueError, match="mode"):
+        bench.make_cases("fast")
+
+
+def test_fla_marked_wrong_only_for_backward_with_splits():
+    assert not Case(B8, "bwd", split=256).fla_valid
+    assert Case(B8, "fwd", split=256).fla_valid and Case(B8, "bwd").fla_valid
+
+
+# -- derived numbers, table, summary
+
+def _synthetic_report():
+    """Results as run_cases records them, with made-up timings."""
+    cases = [(Case(B8, "fwd"), 0.2, 0.3), (Case(B8, "bwd", split=256), 0.1, 0.12),
+             (Case(VARLEN, "fwd", gate="gk"), 0.25, None)]
+    results = []
+    for case, ours_ms, fla_ms in cases:
+        r = bench.new_result(case, 1)
+        r["ours"] = {"ms": ours_ms, "p20": ours_ms * 0.99, "p80": ours_ms * 1.01, "first_call_s": 3.31, "compiled": 5}
+        if fla_ms is not None:
+            r["fla"] = {"ms": fla_ms, "first_call_s": 7.5, "compiled": 0, "valid": case.fla_valid}
+        results.append(bench.derive(r, 4.0))
+    err = bench.new_result(Case(B8, "bwd", gate="gk"), 1)
+    err["ours"] = {"error": "RuntimeError: boom"}
+    err["fla"] = {"ms": float("inf"), "valid": True}
+    results.append(bench.derive(err, 4.0))
+    skipped = bench.new_result(Case(VARLEN, "bwd"), 1)
+    skipped["skipped"] = "budget 10 s spent"
+    results.append(skipped)
+    meta = {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "NVIDIA H200"}, "copy": {"tbps": 4.0, "bytes": 2**30},
+            "versions": {"torch": "2.11", "triton": "3.6.0", "fla": "0.6.0"},
+            "fla": {"available": True, "configs_note": "restricted to 8 of its 48 configs"}}
+    return {"meta": meta, "cases": results}
+
+
+def test_derived_numbers():
+    r = _synthetic_report()["cases"][0]
+    total = 538_968_064
+    assert r["total_bytes"] == total
+    assert r["floor_ms"] == pytest.approx(total / 4e12 * 1e3)
+    assert r["ours"]["tbps"] == pytest.approx(total / 0.2e-3 / 1e12)
+    assert r["ours"]["x_floor"] == pytest.approx(0.2 / (total / 4e12 * 1e3))
+    assert r["fla"]["x_floor"] == pytest.approx(0.3 / (total / 4e12 * 1e3))
+    assert r["fla_over_ours"] == pytest.approx(1.5)
+    wrong, no_fla, err = _synthetic_report()["cases"][1:4]
+    assert wrong["fla"]["ms"] == 0.12 and wrong["fla_over_ours"] is None  # timed, not compared
+    assert no_fla["fla"] is None and no_fla["fla_over_ours"] is None
+    assert err["fla"]["ms"] is None and err["ours"]["ms"] is None and err["fla_over_ours"] is None
+
+
+def test_table():
+    text = bench.format_table(_synthetic_report()["cases"])
+    lines = text.splitlines()
+    assert len(lines) == 2 + 5 and len({len(line) for line in lines}) == 1  # aligned
+    for col in bench.COLUMNS:
+        assert col in lines[0]
+    first = lines[2]
+    for cell in ("B8 T4096 H16", "fwd", "0.200", "2.69", "1.48", "0.300", "1.50", "3.3*/7.5"):
+        assert cell in first, (cell, first)
+    assert "fla wrong" in lines[3] and "256" in lines[3]
+    assert "error" in lines[5] and "skipped" in lines[6]
+
+
+def test_summary_and_case_line():
+    report = _synthetic_report()
+    text = bench.format_summary(report)
+    assert "4.000 TB/s" in text and "fla/ours geometric mean 1.50" in text and "restricted to 8" in text
+    assert "errors in 1 case(s)" in text
+    assert "[fla wrong]" in bench.case_line(report["cases"][1])
+    assert bench.geomean([2.0, 8.0, None]) == pytest.approx(4.0) and bench.geomean([]) is None
+
+
+# -- JSON and figure
+
+def test_json_and_png(tmp_path):
+    report = _synthetic_report()
+    report["cases"][0]["ours"]["p80"] = float("nan")
+    json_path, png_path = bench.output_paths(tmp_path / "out", "default")
+    assert (json_path.name, png_path.name) == ("bench_h200.json", "bench_h200.png")
+    assert bench.output_paths(tmp_path, "quick")[0].name == "bench_h200_quick.json"
+    bench.write_json(report, json_path)
+    back = json.loads(json_path.read_text())  # strict JSON: NaN written as null
+    assert back["cases"][0]["ours"]["p80"] is None
+    assert back["cases"][0]["bytes"] == report["cases"][0]["bytes"]
+    assert [c["case"] for c in back["cases"]] == [c["case"] for c in report["cases"]]
+    bench.write_png(back, png_path)
+    data = png_path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    bench.write_png(back, tmp_path / "again.png")
+    assert (tmp_path / "again.png").read_bytes() == data  # same report, same bytes
+
+
+def test_figures_main_redraws_from_reports(tmp_path, monkeypatch):
+    monkeypatch.setattr(speed, "FIGURES_DIR", tmp_path)
+    assert speed.main() == []
+    bench.write_json(_synthetic_report(), tmp_path / "bench_h200.json")
+    bench.write_json({"meta": {}, "sweep": []}, tmp_path / "bench_h200_sweep.json")
+    assert speed.main() == [tmp_path / "bench_h200.png"]
+    assert (tmp_path / "bench_h200.png").stat().st_size > 10_000
+
+
+# -- planner
+
+def test_estimate_counts():
+    cases = bench.make_cases()
+    est = bench.estimate(cases)
+    fla_specs = {(c.direction, c.gate, c.states, c.split, c.shape.D, c.shape.lens is not None) for c in cases}
+    assert est["compiles"]["fla"] == 8 * len(fla_specs)
+    assert est["tune_benchmarks"]["fla"] == 8 * len(cases)
+    assert est["measurements"] == 2 * len(cases) and est["shapes"] == len(bench.SHAPES)
+    assert est["compiles"]["ours"] <= est["tune_benchmarks"]["ours"] + len(cases)  # scan kernels compile untuned
+    alone = bench.estimate(cases, None)
+    assert alone["compiles"]["fla"] == 0 and alone["measurements"] == len(cases)
+    assert alone["seconds"] < est["seconds"]
+
+
+def test_pieces_as_an_h200_would_choose():
+    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) is cut to reach two waves; B8 H16 fills the GPU.
+    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 17
+    assert bench.case_pieces(Case(B8, "fwd")) == 1
+    assert chunkstate.pieces.INTERPRET == chunkstate.INTERPRET  # the prediction restores the module
+
+
+def test_plan_needs_no_gpu(capsys):
+    assert bench.main(["--plan", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "B8 T4096 H16 fwd g bf16" in out and "estimate" in out
+    assert bench.main(["--plan", "--sweep"]) == 0
+    assert "configs" in capsys.readouterr().out
+
+
+# -- autotuner plumbing
+
+@triton.jit
+def _toy_kernel(x, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    pass
+
+
+def test_fla_like_autotuner_found_restricted_and_cleared():
+    fla_space = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                 for bk in (32, 64) for bv in (32, 64) for w in (1, 2, 4, 8) for s in (2, 3, 4)]
+    at = triton.autotune(configs=fla_space, key=["K"])(_toy_kernel)
+    wrapped = triton.heuristics({"K": lambda args: 1})(at)  # fla's shape: heuristics(autotune(jit))
+    module = types.ModuleType("fake_chunk_h")
+    module.kernel, module.helper, module.number = wrapped, _toy_kernel, 3
+    assert bench.find_autotuners(module) == [at]
+    assert set(bench.restrict_configs(at)) == set(bench.FLA_CONFIGS) and len(at.configs) == 8
+    at.cache[(1,)] = at.configs[0]
+    at.cache.clear()
+    assert at.cache == {}
+
+
+def test_chunkstate_autotuners_found_and_cleared():
+    libs = bench.Libraries(fla_all_configs=False, with_fla=False)
+    from chunkstate import forward
+
+    assert forward._tuned_forward in libs.ours_autotuners
+    for at in libs.ours_autotuners:
+        assert at.cache_results is False
+        at.cache[("x",)] = at.configs[0]
+    libs.clear_autotune_caches()
+    assert all(at.cache == {} for at in libs.ours_autotuners)
+    assert libs.fla is None and libs.fla_info["available"] is False
+
+
+def test_progress_counter_and_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails: a counter on stderr
+    p = bench.Progress(2, "t")
+    p.start("case a")
+    p.finish("case a done")
+    p.close()
+    err = capsys.readouterr().err
+    assert "[1/2] case a ..." in err and "[1/2] case a done" in err
+
+    calls = []
+
+    class FakeBar:
+        def __init__(self, **kw):
+            calls.append(("init", kw["total"]))
+
+        def set_postfix_str(self, s):
+            calls.append(("postfix", s))
+
+        def write(self, s, file=None):
+            calls.append(("write", s))
+
+        def update(self, n):
+            calls.append(("update", n))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeBar))
+    p = bench.Progress(1, "t")
+    p.start("b")
+    p.finish("b done")
+    p.close()
+    assert calls == [("init", 1), ("postfix", "b"), ("write", "b done"), ("update", 1), ("close",)]
+
+
+# -- without a GPU
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message printed where there is no GPU")
+def test_without_gpu_exits_with_a_message(capsys):
+    assert bench.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message printed where there is no GPU")
+def test_module_entry_point_without_gpu():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "chunkstate.bench"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "needs a CUDA GPU" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- the run loop on CPU: chunkstate under the interpreter, standing in for fla too; fake timings
+
+TINY = (Shape(1, 200, 2, 32, lens=(0, 1, 63, 136)), Shape(2, 100, 2, 32))
+
+
+class _TwinLibraries(bench.Libraries):
+    """chunkstate in both seats (same API as fla's): the comparison plumbing without fla."""
+
+    def __init__(self, fla_all_configs, with_fla=True):
+        super().__init__(fla_all_configs, with_fla=False)
+        self.fla = self.ours
+        self.fla_info = {"available": True, "configs_note": "chunkstate standing in for fla"}
+
+
+@pytest.fixture
+def cpu_run(monkeypatch):
+    """Inputs in fp32 on the CPU, do_bench that runs the function once and reports 1 ms, a 4 TB/s copy."""
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(bench, "Inputs", functools.partial(bench.Inputs, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bench, "do_bench", lambda fn: (fn(), {"ms": 1.0, "p20": 0.9, "p80": 1.1})[1])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: {"bytes": 1 << 30, "ms": 0.5, "tbps": 4.0})
+    monkeypatch.setattr(bench, "Libraries", _TwinLibraries)
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_run_case_plumbing(cpu_run):
+    libs = bench.Libraries(False)
+    inp = bench.Inputs(TINY[0])
+    for case in (Case(TINY[0], "fwd"), Case(TINY[0], "bwd", gate="gk"), Case(TINY[0], "bwd", split=128)):
+        r = bench.run_case(case, inp, libs, 4.0)
+        assert r["ours"]["ms"] == r["fla"]["ms"] == 1.0 and r["ours"]["first_call_s"] > 0
+        assert r["agree_rel_err"] == 0.0  # the same kernel in both seats
+        assert r["fla"]["valid"] == case.fla_valid
+        assert (r["fla_over_ours"] is None) == (not case.fla_valid)
+        assert r["total_bytes"] == sum(bench.unique_bytes(case).values()) and r["pieces"] == 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
+    cases = [Case(s, d) for s in TINY for d in ("fwd", "bwd")] + [Case(TINY[1], "bwd", split=128)]
+    args = bench.parse_args(["--out", str(tmp_path)])
+    report = bench.run_cases(cases, args, "quick", {"fresh": True, "dir": "x"})
+    out = capsys.readouterr().out
+    assert "fla wrong" in out and "varlen N4 T200 H2 D32" in out and "4.000 TB/s" in out
+    back = json.loads((tmp_path / "bench_h200_quick.json").read_text())
+    assert [c["case"] for c in back["cases"]] == [c.label for c in cases]
+    assert back["meta"]["mode"] == "quick" and back["meta"]["copy"]["tbps"] == 4.0
+    assert back["meta"]["fla"]["available"] and back["meta"]["wall_s"] > 0
+    assert (tmp_path / "bench_h200_quick.png").stat().st_size > 10_000
+    assert report["cases"][0]["ours"]["x_floor"] == pytest.approx(1.0 / report["cases"][0]["floor_ms"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_budget_skips_shapes(cpu_run, tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
+    report = bench.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})
+    assert report["cases"][0]["skipped"].startswith("budget") and report["cases"][0]["ours"] is None
