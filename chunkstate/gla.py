@@ -87,8 +87,9 @@ class ChunkLayout:
     ``index[c, p]``; slots past a sequence's end (``valid`` False) repeat its last token's index.
     """
 
-    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device):
-        self.B, self.T, self.BT = B, T, chunk_size
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device,
+                 dtype: torch.dtype = torch.float32):
+        self.B, self.T, self.BT, self.dtype = B, T, chunk_size, dtype  # dtype: of the chunk tensors
         self.identity = cu_seqlens is None and T % chunk_size == 0  # a plain reshape
         if cu_seqlens is None:
             cu = torch.arange(B + 1, device=device, dtype=torch.long) * T  # B sequences of length T
@@ -112,10 +113,10 @@ class ChunkLayout:
             + local % chunk_size  # [B·T] slot of each token
 
     def to_chunks(self, x: torch.Tensor, pad: str = "zero") -> torch.Tensor:
-        """[B, T, H, D] -> [C, H, BT, D] fp32; padded slots are 0 (``pad="zero"``) or repeat the
+        """[B, T, H, D] -> [C, H, BT, D] in the layout's dtype; padded slots are 0 (``pad="zero"``) or repeat the
         sequence's last token (``pad="last"``, for cumulative gates)."""
         B, T, H, D = x.shape
-        x = x.reshape(B * T, H, D).float()
+        x = x.reshape(B * T, H, D).to(self.dtype)
         if not self.identity:
             x = x.index_select(0, self.index)
             if pad == "zero":
@@ -237,10 +238,15 @@ def intra_backward(q, k, v, G, h, do, dh, scale: float, gate_grad: bool = True):
 # The op
 # ---------------------------------------------------------------------------------------------
 
-def _gate_cumsums(g, gk, chunk_size, cu_seqlens):
-    """The kernels' gates: chunk-local cumsums in log2 units (fp32), or None."""
-    Gg = None if g is None else chunk_local_cumsum(g, chunk_size, cu_seqlens)
-    Gk = None if gk is None else chunk_local_cumsum(gk, chunk_size, cu_seqlens)
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The intra-chunk part runs in fp32 (in float64 for float64 inputs: gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gate_cumsums(g, gk, chunk_size, cu_seqlens, dtype):
+    """The kernels' gates: chunk-local cumsums in log2 units (``dtype``), or None."""
+    Gg = None if g is None else chunk_local_cumsum(g, chunk_size, cu_seqlens, dtype=dtype)
+    Gk = None if gk is None else chunk_local_cumsum(gk, chunk_size, cu_seqlens, dtype=dtype)
     return Gg, Gk
 
 
@@ -261,13 +267,13 @@ class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
         B, T, H, K = q.shape
-        Gg, Gk = _gate_cumsums(g, gk, chunk_size, cu_seqlens)
+        Gg, Gk = _gate_cumsums(g, gk, chunk_size, cu_seqlens, _compute_dtype(q))
         h, ht = chunk_fwd_h(k, v, g=Gg, gk=Gk, h0=initial_state, output_final_state=output_final_state,
                             cu_seqlens=cu_seqlens, chunk_size=chunk_size, states_in_fp32=False)
-        layout = ChunkLayout(B, T, cu_seqlens, chunk_size, q.device)
+        layout = ChunkLayout(B, T, cu_seqlens, chunk_size, q.device, _compute_dtype(q))
         qc, kc, vc = layout.to_chunks(q), layout.to_chunks(k), layout.to_chunks(v)
         G = _key_side_G(layout, Gg, Gk, qc)
-        o = intra_forward(qc, kc, vc, G, h.reshape(layout.C, H, K, -1).float(), scale)
+        o = intra_forward(qc, kc, vc, G, h.reshape(layout.C, H, K, v.shape[-1]).to(layout.dtype), scale)
         ctx.save_for_backward(q, k, v, g, gk, initial_state, cu_seqlens)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         ctx.set_materialize_grads(False)
@@ -282,18 +288,18 @@ class ChunkGLAFunction(torch.autograd.Function):
         if do is None:  # only ht was used
             do = torch.zeros_like(v)
         do = do.to(q.dtype)
-        Gg, Gk = _gate_cumsums(g, gk, BT, cu_seqlens)
+        Gg, Gk = _gate_cumsums(g, gk, BT, cu_seqlens, _compute_dtype(q))
         # States in fp32: the gate gradient amplifies bf16 rounding (module docstring).
         h, _ = chunk_fwd_h(k, v, g=Gg, gk=Gk, h0=initial_state, cu_seqlens=cu_seqlens, chunk_size=BT,
                            states_in_fp32=True)
         dh, dh0 = chunk_bwd_dh(q, k, v, do, initial_state, dht, scale, g=Gg, gk=Gk, cu_seqlens=cu_seqlens,
                                chunk_size=BT, states_in_fp32=True)
-        layout = ChunkLayout(B, T, cu_seqlens, BT, q.device)
+        layout = ChunkLayout(B, T, cu_seqlens, BT, q.device, _compute_dtype(q))
         qc, kc, vc, doc = (layout.to_chunks(x) for x in (q, k, v, do))
         G = _key_side_G(layout, Gg, Gk, qc)
         gated = g is not None or gk is not None
-        dq, dk, dv, da = intra_backward(qc, kc, vc, G, h.reshape(layout.C, H, K, V).float(), doc,
-                                        dh.reshape(layout.C, H, K, V).float(), scale, gate_grad=gated)
+        dq, dk, dv, da = intra_backward(qc, kc, vc, G, h.reshape(layout.C, H, K, V).to(layout.dtype), doc,
+                                        dh.reshape(layout.C, H, K, V).to(layout.dtype), scale, gate_grad=gated)
         dg = dgk = None
         if gated:
             da = layout.from_chunks(da)
