@@ -16,6 +16,7 @@ if "TRITON_INTERPRET" not in _os.environ:
 from .env import DEVICE, INTERPRET, environment  # noqa: E402
 from . import gates, reference, testing  # noqa: E402
 from .forward import chunk_fwd_h  # noqa: E402
+from .gla import chunk_gla  # noqa: E402
 
-__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h"]
+__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h", "chunk_gla"]
 __version__ = "0.1.0"
