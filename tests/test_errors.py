@@ -1,0 +1,192 @@
+"""Bad inputs to ``chunkstate.chunk_fwd_h``: each gets a TypeError / ValueError naming the argument
+and what was expected, before anything is launched.
+
+Tensors on another device are simulated with the ``meta`` device (no memory, any machine).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import chunkstate
+
+B, T, H, K, V = 2, 40, 3, 20, 24
+
+
+@pytest.fixture
+def ok(device):
+    """A valid call's arguments (dense batch, every gate, h0)."""
+    return dict(
+        k=torch.randn(B, T, H, K, device=device), v=torch.randn(B, T, H, V, device=device),
+        g=torch.zeros(B, T, H, device=device), g_gamma=torch.zeros(H, device=device),
+        gk=torch.zeros(B, T, H, K, device=device), gv=torch.zeros(B, T, H, V, device=device),
+        h0=torch.zeros(B, H, K, V, device=device), chunk_size=16)
+
+
+def _varlen(ok, cu, device):
+    """The same tensors packed into one row of 2·T tokens, with offsets ``cu`` (a list is made an
+    int32 tensor), no h0."""
+    args = {n: torch.cat([x[0], x[1]])[None] if n in ("k", "v", "g", "gk", "gv") else x
+            for n, x in ok.items() if n != "h0"}
+    if isinstance(cu, list):
+        cu = torch.tensor(cu, dtype=torch.int32, device=device)
+    return dict(args, cu_seqlens=cu)
+
+
+def test_the_valid_call_runs(ok):
+    """The fixture itself is valid, so every failure below comes from the one change it makes."""
+    h, ht = chunkstate.chunk_fwd_h(**ok, output_final_state=True)
+    assert h.shape == (B, T // 16 + 1, H, K, V) and ht.shape == (B, H, K, V)
+
+
+# ------------------------------------------------------------------ k and v
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(a, k=a["k"].tolist()), TypeError, r"k must be a torch\.Tensor"),
+    (lambda a: dict(a, k=a["k"][0]), ValueError, r"k must have shape \[B, T, H, K\]"),
+    (lambda a: dict(a, k=a["k"][..., None]), ValueError, r"k must have shape \[B, T, H, K\]"),
+    (lambda a: dict(a, k=a["k"].to(torch.int32)), TypeError, r"k must be a floating-point tensor"),
+    (lambda a: dict(a, v=a["v"].to(torch.int64)), TypeError, r"v must be a floating-point tensor"),
+    (lambda a: dict(a, v=None), TypeError, r"v must be a torch\.Tensor"),
+    (lambda a: dict(a, v=a["v"][:1]), ValueError, r"v must have shape \[2, 40, 3, \*\]"),
+    (lambda a: dict(a, v=a["v"][:, :-1]), ValueError, r"v must have shape \[2, 40, 3, \*\]"),
+    (lambda a: dict(a, v=a["v"][:, :, :-1]), ValueError, r"v must have shape \[2, 40, 3, \*\]"),
+    (lambda a: dict(a, v=a["v"][0]), ValueError, r"v must have shape"),
+    (lambda a: dict(a, v=a["v"].half()), TypeError, r"v must have k's dtype torch\.float32"),
+], ids=["k-list", "k-3d", "k-5d", "k-int", "v-int", "v-none", "v-batch", "v-time", "v-heads", "v-3d",
+        "v-dtype"])
+def test_keys_and_values(ok, change, exc, match):
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_fwd_h(**change(ok))
+
+
+# ------------------------------------------------------------------ gates
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(a, g=a["g"][..., :-1]), ValueError, r"g must have shape \[2, 40, 3\]"),
+    (lambda a: dict(a, g=a["g"][..., None]), ValueError, r"g must have shape \[2, 40, 3\]"),
+    (lambda a: dict(a, g=a["g"][:, :-1]), ValueError, r"g must have shape \[2, 40, 3\]"),
+    (lambda a: dict(a, g=a["g"].long()), TypeError, r"g must be a floating-point tensor"),
+    (lambda a: dict(a, g=0.5), TypeError, r"g must be a torch\.Tensor"),
+    (lambda a: dict(a, g_gamma=a["g_gamma"][:-1]), ValueError, r"g_gamma must have shape \[3\]"),
+    (lambda a: dict(a, g_gamma=a["g_gamma"][None]), ValueError, r"g_gamma must have shape \[3\]"),
+    (lambda a: dict(a, g_gamma=-0.1), TypeError, r"g_gamma must be a torch\.Tensor"),
+    (lambda a: dict(a, g_gamma=a["g_gamma"].int()), TypeError, r"g_gamma must be a floating-point"),
+    (lambda a: dict(a, gk=a["gk"][..., :-1]), ValueError, r"gk must have shape \[2, 40, 3, 20\]"),
+    (lambda a: dict(a, gk=a["gv"]), ValueError, r"gk must have shape \[2, 40, 3, 20\]"),
+    (lambda a: dict(a, gk=a["g"]), ValueError, r"gk must have shape \[2, 40, 3, 20\]"),
+    (lambda a: dict(a, gk=a["gk"].bool()), TypeError, r"gk must be a floating-point"),
+    (lambda a: dict(a, gv=a["gk"]), ValueError, r"gv must have shape \[2, 40, 3, 24\]"),
+    (lambda a: dict(a, gv=a["gv"][:, :, :1]), ValueError, r"gv must have shape \[2, 40, 3, 24\]"),
+    (lambda a: dict(a, gv=a["gv"].to(torch.int16)), TypeError, r"gv must be a floating-point"),
+], ids=["g-heads", "g-4d", "g-time", "g-int", "g-float", "gamma-heads", "gamma-2d", "gamma-float",
+        "gamma-int", "gk-K", "gk-is-gv", "gk-is-g", "gk-bool", "gv-is-gk", "gv-heads", "gv-int"])
+def test_gates(ok, change, exc, match):
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_fwd_h(**change(ok))
+
+
+# ------------------------------------------------------------------ initial state
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(a, h0=a["h0"][:1]), ValueError, r"h0 must have shape \[2, 3, 20, 24\]"),
+    (lambda a: dict(a, h0=a["h0"][:, :2]), ValueError, r"h0 must have shape \[2, 3, 20, 24\]"),
+    (lambda a: dict(a, h0=a["h0"].transpose(-1, -2)), ValueError, r"h0 must have shape \[2, 3, 20, 24\]"),
+    (lambda a: dict(a, state_v_first=True), ValueError, r"h0 must have shape \[2, 3, 24, 20\]"),
+    (lambda a: dict(a, h0=a["h0"][0]), ValueError, r"h0 must have shape"),
+    (lambda a: dict(a, h0=a["h0"].int()), TypeError, r"h0 must be a floating-point"),
+    (lambda a: dict(a, h0=a["h0"].numpy() if a["h0"].device.type == "cpu" else 0), TypeError,
+     r"h0 must be a torch\.Tensor"),
+], ids=["N", "heads", "transposed", "v-first-needs-VK", "3d", "int", "not-tensor"])
+def test_initial_state(ok, change, exc, match):
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_fwd_h(**change(ok))
+
+
+# ------------------------------------------------------------------ packed batches
+
+@pytest.mark.parametrize("cu,exc,match", [
+    ([0, 40, 80], None, None),  # valid: the control
+    ([1, 40, 80], ValueError, r"cu_seqlens must start at 0, got 1"),
+    ([0, 50, 40, 80], ValueError, r"cu_seqlens must be non-decreasing"),
+    ([0, 40, 79], ValueError, r"cu_seqlens must end at T=80, got 79"),
+    ([0, 40, 81], ValueError, r"cu_seqlens must end at T=80, got 81"),
+    ([0], ValueError, r"cu_seqlens must hold at least 2 offsets"),
+    ("2d", TypeError, r"cu_seqlens must be a 1-D int32/int64 tensor"),
+    ("float", TypeError, r"cu_seqlens must be a 1-D int32/int64 tensor"),
+    ("list", TypeError, r"cu_seqlens must be a torch\.Tensor"),
+], ids=["valid", "start", "decreasing", "end-short", "end-long", "one-offset", "2d", "float", "list"])
+def test_cu_seqlens(ok, device, cu, exc, match):
+    if cu == "2d":
+        cu = torch.tensor([[0, 40, 80]], dtype=torch.int32, device=device)
+    elif cu == "float":
+        cu = torch.tensor([0.0, 40.0, 80.0], device=device)
+    args = _varlen(ok, cu, device)
+    if cu == "list":
+        args["cu_seqlens"] = [0, 40, 80]
+    if exc is None:
+        h, _ = chunkstate.chunk_fwd_h(**args)
+        assert h.shape[:2] == (1, 6)
+        return
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_fwd_h(**args)
+
+
+def test_cu_seqlens_needs_batch_of_one(ok, device):
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+    no_h0 = {n: x for n, x in ok.items() if n != "h0"}
+    with pytest.raises(ValueError, match=r"with cu_seqlens the batch size must be 1.*got B=2"):
+        chunkstate.chunk_fwd_h(**no_h0, cu_seqlens=cu)
+
+
+def test_varlen_h0_has_one_state_per_sequence(ok, device):
+    args = _varlen(ok, [0, 10, 10, 80], device)  # N = 3 sequences, one empty
+    with pytest.raises(ValueError, match=r"h0 must have shape \[3, 3, 20, 24\]"):
+        chunkstate.chunk_fwd_h(**args, h0=torch.zeros(1, H, K, V, device=device))
+
+
+# ------------------------------------------------------------------ chunk and split sizes
+
+@pytest.mark.parametrize("chunk_size,exc", [
+    (8, ValueError), (512, ValueError), (48, ValueError), (0, ValueError), (-16, ValueError),
+    (16.0, TypeError), (True, TypeError), ("64", TypeError), (None, TypeError)])
+def test_chunk_size(ok, chunk_size, exc):
+    with pytest.raises(exc, match=r"chunk_size must be"):
+        chunkstate.chunk_fwd_h(**dict(ok, chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize("split_size,exc", [
+    (0, ValueError), (-32, ValueError), (24, ValueError), (8, ValueError), (40, ValueError),
+    (32.0, TypeError), (True, TypeError)])
+def test_split_size(ok, split_size, exc):
+    with pytest.raises(exc, match=r"split_size must be"):
+        chunkstate.chunk_fwd_h(**dict(ok, split_size=split_size))
+
+
+@pytest.mark.parametrize("pieces", [0, -2, 1.5, True, "2"])
+def test_pieces(ok, pieces):
+    with pytest.raises(ValueError, match=r"pieces must be None or a positive int"):
+        chunkstate.chunk_fwd_h(**ok, pieces=pieces)
+
+
+# ------------------------------------------------------------------ devices
+
+@pytest.mark.parametrize("name", ["v", "g", "g_gamma", "gk", "gv", "h0"])
+def test_tensor_on_another_device(ok, name):
+    args = dict(ok, **{name: ok[name].to("meta")})
+    with pytest.raises(ValueError, match=rf"{name} is on meta but the other inputs are on {ok['k'].device}"):
+        chunkstate.chunk_fwd_h(**args)
+
+
+def test_cu_seqlens_on_another_device(ok, device):
+    args = _varlen(ok, torch.tensor([0, 40, 80], dtype=torch.int32, device="meta"), device)
+    with pytest.raises(ValueError, match=r"cu_seqlens is on meta but the other inputs are on"):
+        chunkstate.chunk_fwd_h(**args)
+
+
+def test_inputs_on_a_device_the_kernels_cannot_use(ok):
+    """All on one device, but not the one Triton runs on here (interpreter: CPU; compiled: CUDA)."""
+    args = {n: x.to("meta") if isinstance(x, torch.Tensor) else x for n, x in ok.items()}
+    want = "interpreter mode" if chunkstate.INTERPRET else "run compiled on a CUDA GPU"
+    with pytest.raises(ValueError, match=rf"k is on meta, but .*{want}"):
+        chunkstate.chunk_fwd_h(**args)
