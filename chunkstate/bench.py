@@ -24,6 +24,8 @@ Modes:
   --sweep   every config of ``_tuning.ALL_CONFIGS`` (through ``config=``, forward with ``pieces=1``)
             on a few shapes, fwd and bwd: the timings ``_tuning.candidates`` is chosen from.
   --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
+Options: ``--out DIR`` (default figures/), ``--keep-cache``, ``--fla-all-configs``, ``--shapes LABEL..``
+(only shapes whose label contains one of these), ``--budget S`` (start no new shape after S seconds).
 
 Per case: medians of ``triton.testing.do_bench(warmup=10, rep=50)`` for chunkstate and fla, the
 pieces chunkstate chose (``pieces.auto_pieces``, as the wrapper calls it), the first call's wall
@@ -34,7 +36,7 @@ Every shape is autotuned afresh for both: the autotuners' caches are cleared bef
 configs cost ~40 s of compiles per specialization, so its list is cut to 8 winners measured on an
 H200 (``FLA_CONFIGS``; ``--fla-all-configs`` keeps all 48). fla's backward with split_size >
 chunk_size stores the wrong gradient (a known bug): it is timed, marked "fla wrong", and left out
-of the comparison. Outputs: a table on stdout, ``<out>/bench_h200[_quick|_full|_sweep].json``
+of the comparison; fla's GQA is never used (HQ = H). Outputs: a table on stdout, ``<out>/bench_h200[_quick|_full|_sweep].json``
 (rewritten after every case, so an interrupted run keeps what it measured) and a ``.png`` beside
 it (``chunkstate.figures.speed``).
 """
@@ -305,8 +307,9 @@ def format_summary(report: dict) -> str:
         xf = [r["ours"]["x_floor"] for r in results if r["direction"] == d and r.get("ours")
               and r["ours"].get("x_floor")]
         if g or xf:
+            lo, hi = _fmt(min(xf, default=None), ".2f"), _fmt(max(xf, default=None), ".2f")
             lines.append(f"{d}: fla/ours geometric mean {_fmt(g, '.2f')} (>1: chunkstate faster); "
-                         f"chunkstate ×floor {_fmt(min(xf, default=None), '.2f')}..{_fmt(max(xf, default=None), '.2f')}")
+                         f"chunkstate ×floor {lo}..{hi}")
     fla = meta.get("fla") or {}
     lines.append("fla-core: " + (fla.get("configs_note") or "") if fla.get("available") else
                  f"fla-core not run: {fla.get('error', 'not importable')}")
@@ -858,7 +861,8 @@ def run_sweep(shapes, args, cache: dict) -> dict:
                 timings = []
                 for cfg in configs:
                     if direction == "fwd":
-                        fn = lambda c=cfg: forward.chunk_fwd_h(inp.x1, inp.x2, **kw, pieces=1, config=c)[0]  # noqa: E731
+                        fn = lambda c=cfg: forward.chunk_fwd_h(  # noqa: E731
+                            inp.x1, inp.x2, **kw, pieces=1, config=c)[0]
                     elif libs.ours.chunk_bwd_dh is None:
                         timings.append({"config": list(_cfg_tuple(cfg)), "ms": None, "error": libs.ours_error})
                         continue

@@ -112,7 +112,8 @@ def _synthetic_report():
     skipped = bench.new_result(Case(VARLEN, "bwd"), 1)
     skipped["skipped"] = "budget 10 s spent"
     results.append(skipped)
-    meta = {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "NVIDIA H200"}, "copy": {"tbps": 4.0, "bytes": 2**30},
+    meta = {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "NVIDIA H200"},
+            "copy": {"tbps": 4.0, "bytes": 2**30},
             "versions": {"torch": "2.11", "triton": "3.6.0", "fla": "0.6.0"},
             "fla": {"available": True, "configs_note": "restricted to 8 of its 48 configs"}}
     return {"meta": meta, "cases": results}
