@@ -59,9 +59,14 @@ Design choices, each for clarity or safety:
   ``states_in_fp32=True`` and asks for ``dh`` in fp32 (as fla does): bf16 states carry ~3
   significant digits, and the gate gradient is a difference of products of ``h`` / ``dh`` with
   q and k (``q ⊙ dq − k ⊙ dk``) summed over up to BT tokens, small next to its terms: rounding
-  in the states shows up magnified in ``dg``. Nothing is kept from the forward but the inputs: ``h``, ``G`` and the
-  intra-chunk matrix ``P`` are recomputed, so no state memory lives between forward and backward.
-  The forward stores ``h`` in the inputs' dtype (only the output reads it, once).
+  in the states shows up magnified in ``dg``. Nothing is kept from the forward but the inputs:
+  ``h``, ``G`` and the intra-chunk matrix ``P`` are recomputed, so no state memory lives between
+  forward and backward. The forward stores ``h`` in the inputs' dtype (the output reads it once).
+- **Precision.** The PyTorch part computes in fp32 whatever the inputs (float64 for float64
+  inputs, which is how the tests gradcheck it); o and the gradients are cast back at the end.
+- **Speed.** The intra-chunk part is written for reading, not speed: a few dozen PyTorch ops
+  with fp32 temporaries of q's size, where fla fuses it into Triton kernels.
+  ``bench_against_fla`` times both on a GPU.
 """
 from __future__ import annotations
 
@@ -330,7 +335,8 @@ def chunk_gla(
     attention). The module docstring has the chunked math, its gradients and the design.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V] (one float dtype: fp16, bf16 or fp32).
+        q, k: [B, T, H, K]; v: [B, T, H, V] (one float dtype: fp16, bf16 or fp32; float64 is
+            accepted, its states then carry the kernels' fp32 accumulation).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] per-key gate: *natural-log* per-token decays
             (e.g. ``F.logsigmoid(x)``), any float dtype; the op takes their chunk-local cumulative
             sums itself (log2 units for the kernels). For overflow safety they should be <= 0.
