@@ -22,6 +22,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-6) -> float:
     """Raise ``AssertionError`` naming ``what`` unless rel_err(out, ref) < tol; return the error."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise AssertionError(f"{what}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
     if torch.isnan(out).any() and not torch.isnan(ref).any():
         bad = torch.isnan(out).nonzero()[:3].tolist()
         raise AssertionError(f"{what}: NaN in the result (e.g. at {bad}) — an element never written?")
