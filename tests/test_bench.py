@@ -361,3 +361,19 @@ def test_budget_skips_shapes(cpu_run, tmp_path):
     args = bench.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
     report = bench.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})
     assert report["cases"][0]["skipped"].startswith("budget") and report["cases"][0]["ours"] is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the sweep under Triton's interpreter with fake timings")
+def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
+    from chunkstate import _tuning
+
+    two = [_tuning.INTERPRETER_CONFIG, _tuning._config(32, 32, 4, 1)]
+    monkeypatch.setattr(_tuning, "ALL_CONFIGS", two)
+    args = bench.parse_args(["--sweep", "--out", str(tmp_path)])
+    report = bench.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
+    back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())
+    assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
+    for s in back["sweep"]:
+        assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1], [32, 32, 4, 1]]
+        assert all(t["ms"] == 1.0 and "error" not in t for t in s["timings"]) and len(s["top"]) == 2
+    assert "BK= 64 BV= 64 warps=4 stages=1" in capsys.readouterr().out
