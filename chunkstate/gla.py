@@ -62,8 +62,10 @@ Design choices, each for clarity or safety:
   in the states shows up magnified in ``dg``. Nothing is kept from the forward but the inputs:
   ``h``, ``G`` and the intra-chunk matrix ``P`` are recomputed, so no state memory lives between
   forward and backward. The forward stores ``h`` in the inputs' dtype (the output reads it once).
-- **Precision.** The PyTorch part computes in fp32 whatever the inputs (float64 for float64
-  inputs, which is how the tests gradcheck it); o and the gradients are cast back at the end.
+- **Precision.** The PyTorch part computes in fp32 whatever the inputs; o and the gradients are
+  cast back at the end. (``ChunkGLAFunction`` keeps float64 inputs in float64 there: the tests
+  gradcheck it with float64 stand-ins for the two state kernels. ``chunk_gla`` itself takes
+  fp16/bf16/fp32 only.)
 - **Speed.** The intra-chunk part is written for reading, not speed: a few dozen PyTorch ops
   with fp32 temporaries of q's size, where fla fuses it into Triton kernels.
   ``bench_against_fla`` times both on a GPU.
@@ -335,8 +337,7 @@ def chunk_gla(
     attention). The module docstring has the chunked math, its gradients and the design.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V] (one float dtype: fp16, bf16 or fp32; float64 is
-            accepted, its states then carry the kernels' fp32 accumulation).
+        q, k: [B, T, H, K]; v: [B, T, H, V] (one dtype: fp16, bf16 or fp32).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] per-key gate: *natural-log* per-token decays
             (e.g. ``F.logsigmoid(x)``), any float dtype; the op takes their chunk-local cumulative
             sums itself (log2 units for the kernels). For overflow safety they should be <= 0.
@@ -358,6 +359,8 @@ def chunk_gla(
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
     B, T, H, K = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be fp16, bf16 or fp32 (what the kernels take), got {q.dtype}")
     k = _validate.tensor("k", k, (B, T, H, K), like=q)
     v = _validate.tensor("v", v, (B, T, H, None), like=q)
     for name, x in (("k", k), ("v", v)):

@@ -7,11 +7,13 @@ powers of two), g alone, gk alone, both, no gate, with and without h0 / ht, chun
 ``o`` only and on ``ht`` only; fp16; decays strong enough that e^{-G} overflows fp32;
 ``torch.autograd.gradcheck`` in float64; and the input errors.
 
-gradcheck: Triton's ``tl.dot`` does not take float64 (and the kernels accumulate the state in
-fp32), so a float64 gradcheck cannot run through ``chunk_fwd_h`` / ``chunk_bwd_dh``. It runs the
-op with those two swapped for float64 PyTorch versions written here (same signatures, same log2
-chunk-local gates): everything else — the gate cumsums, the chunk layout and its padding, the
-intra-chunk forward and backward, the gate gradient, the autograd glue — is the op's own code.
+gradcheck: the kernels do not compute in float64 (``tl.dot`` on a GPU takes no fp64, the state
+is accumulated in fp32, and fp64 states stored by ``chunk_fwd_h`` under the interpreter came out
+wrong), so ``chunk_gla`` refuses float64 and a float64 gradcheck cannot run through
+``chunk_fwd_h`` / ``chunk_bwd_dh``. It runs the op's autograd Function with those two swapped for
+float64 PyTorch versions written here (same signatures, same log2 chunk-local gates): everything
+else — the gate cumsums, the chunk layout and its padding, the intra-chunk forward and backward,
+the gate gradient, the autograd glue — is the op's own code.
 
 On a GPU only (skipped on CPU, saying why): bf16 and fp32 against the loop, and against
 fla-core 0.6.0's ``chunk_gla`` / ``chunk_simple_gla`` where fla runs here.
@@ -332,9 +334,8 @@ def test_gradcheck_float64(T, K, cu, fast, monkeypatch, device):
     g = F.logsigmoid(2 + torch.randn(B, T, H, dtype=torch.float64, device=device)).requires_grad_()
     gk = F.logsigmoid(2 + torch.randn(B, T, H, K, dtype=torch.float64, device=device)).requires_grad_()
 
-    def f(q, k, v, g, gk, h0):
-        return chunk_gla(q, k, v, g=g, gk=gk, scale=0.6, initial_state=h0, output_final_state=True,
-                         cu_seqlens=cu_seqlens, chunk_size=BT)
+    def f(q, k, v, g, gk, h0):  # the Function itself: chunk_gla takes fp16/bf16/fp32 only
+        return gla.ChunkGLAFunction.apply(q, k, v, g, gk, 0.6, h0, True, cu_seqlens, BT)
 
     assert torch.autograd.gradcheck(f, (q, k, v, g, gk, h0), fast_mode=fast)
 
@@ -355,6 +356,7 @@ def _args(device, **over):
 BAD = [
     ("q-3d", dict(q=torch.randn(1, 8, 4)), ValueError, "q must have shape"),
     ("q-int", dict(q=torch.ones(1, 8, 2, 4, dtype=torch.int32)), TypeError, "q must be a floating-point"),
+    ("q-float64", dict(q=torch.randn(1, 8, 2, 4, dtype=torch.float64)), TypeError, "q must be fp16, bf16 or fp32"),
     ("k-shape", dict(k=torch.randn(1, 8, 2, 5)), ValueError, "k must have shape"),
     ("v-shape", dict(v=torch.randn(1, 7, 2, 3)), ValueError, "v must have shape"),
     ("v-dtype", dict(v=torch.randn(1, 8, 2, 3, dtype=torch.float16)), TypeError, "v must have q's dtype"),
