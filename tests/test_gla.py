@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import chunkstate
 from chunkstate import gla, reference
-from chunkstate.gates import RCP_LN2, chunk_local_cumsum
+from chunkstate.gates import chunk_local_cumsum
 from chunkstate.gla import chunk_gla
 from chunkstate.testing import check_close, rel_err
 
