@@ -33,8 +33,14 @@ def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, l
     return x.contiguous()
 
 
-def kernel_device(name: str, x: torch.Tensor) -> None:
-    """Kernels run compiled on a CUDA GPU, or under Triton's interpreter on CPU tensors."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_input(name: str, x: torch.Tensor) -> None:
+    """The tensor a kernel computes in: fp16, bf16 or fp32 (``tl.dot`` takes no fp64), on a
+    CUDA GPU when compiled, on the CPU under Triton's interpreter."""
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be fp16, bf16 or fp32 (what the kernels compute in), got {x.dtype}")
     if INTERPRET and x.device.type != "cpu":
         raise ValueError(f"{name} is on {x.device}, but Triton runs in interpreter mode "
                          "(TRITON_INTERPRET=1): pass CPU tensors")

@@ -266,7 +266,7 @@ def chunk_fwd_h(
     V = v.shape[-1]
     if v.dtype != k.dtype:
         raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
-    _validate.kernel_device("k", k)
+    _validate.kernel_input("k", k)
     BT, BS = _validate.sizes(chunk_size, split_size)
     g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
     cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=k)

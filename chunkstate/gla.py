@@ -366,7 +366,7 @@ def chunk_gla(
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    _validate.kernel_device("q", q)
+    _validate.kernel_input("q", q)
     V = v.shape[-1]
     g, _, gk, _ = _validate.gates(B, T, H, K, V, g, None, gk, None, like=q)
     scale = K ** -0.5 if scale is None else _validate.real("scale", scale)
