@@ -16,7 +16,8 @@ if "TRITON_INTERPRET" not in _os.environ:
 from .env import DEVICE, INTERPRET, environment  # noqa: E402
 from . import gates, reference, testing  # noqa: E402
 from .forward import chunk_fwd_h  # noqa: E402
+from .backward import chunk_bwd_dh  # noqa: E402
 from .gla import chunk_gla  # noqa: E402
 
-__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h", "chunk_gla"]
+__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h", "chunk_bwd_dh", "chunk_gla"]
 __version__ = "0.1.0"
