@@ -7,6 +7,7 @@ execution counts hides the order its cells were really run in. Clear them with
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import nbformat
@@ -58,11 +59,23 @@ def test_image_pattern_finds_links():
         ["../figures/x.png", "../figures/y.png", "../figures/z.png"]
 
 
+def committed_notebooks() -> set[str]:
+    """Notebooks git tracks (all of notebooks/ when this is not a git checkout): a chapter still
+    being written, not committed yet, is not expected in the README."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--", "notebooks/*.ipynb"], cwd=ROOT, capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {p.relative_to(ROOT).as_posix() for p in NOTEBOOKS}
+    return set(out.split())
+
+
 def test_readme_chapter_table_matches_notebooks():
-    """Every notebook is linked from the README, and every notebook the README links exists."""
+    """Every committed notebook is linked from the README, and every notebook the README links exists."""
     readme = (ROOT / "README.md").read_text()
     linked = set(re.findall(r"\]\((notebooks/[^)\s]+\.ipynb)\)", readme))
     present = {p.relative_to(ROOT).as_posix() for p in NOTEBOOKS}
     assert not linked - present, f"README.md links notebooks that do not exist: {sorted(linked - present)}"
-    assert not present - linked, (f"notebooks missing from README.md's chapter table: {sorted(present - linked)} "
-                                  f"(link them there: [notebooks/NN_x.ipynb](notebooks/NN_x.ipynb))")
+    unlisted = committed_notebooks() - linked
+    assert not unlisted, (f"notebooks missing from README.md's chapter table: {sorted(unlisted)} "
+                          f"(link them there: [notebooks/NN_x.ipynb](notebooks/NN_x.ipynb))")
