@@ -25,13 +25,14 @@ import triton
 import triton.language as tl
 
 from . import _tuning, _validate
+from . import pieces as _pieces
 from .forward import _load_state, _store_state
 from .gates import prepare_chunk_offsets
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
 # miscompile this kernel on Hopper (fla keeps it dynamic for the same reason).
-@triton.jit(do_not_specialize=["T", "scale"])
+@triton.jit(do_not_specialize=["T", "scale", "GRID"])
 def chunk_bwd_kernel_dh(
     q,  # [B, T, HQ, K]
     do,  # [B, T, HQ, V]  gradient of the outputs
@@ -44,8 +45,11 @@ def chunk_bwd_kernel_dh(
     dh0,  # [N, H, K, V] (or [.., V, K])      out: gradient w.r.t. the initial state, fp32
     cu_seqlens,  # [N + 1] packed-batch offsets
     split_offsets,  # [N + 1] first split slot of each packed sequence
+    decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
+    decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     scale,
     T,
+    GRID,  # autotune key only, never specialised: N·H relative to the SM count (see _tuning)
     H: tl.constexpr,
     NG: tl.constexpr,  # G: query heads per KV head (HQ = NG·H)
     K: tl.constexpr,
@@ -54,7 +58,6 @@ def chunk_bwd_kernel_dh(
     BS: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    GRID: tl.constexpr,  # autotune key only: N·H relative to the SM count (see _tuning)
     USE_G: tl.constexpr,
     USE_G_GAMMA: tl.constexpr,
     USE_GK: tl.constexpr,
@@ -63,6 +66,8 @@ def chunk_bwd_kernel_dh(
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
+    STORE_STATES: tl.constexpr = True,  # False: only dh0 (and decays) — the pieces' first pass
+    STORE_DECAY: tl.constexpr = False,
 ):
     # ---- which tile of which (sequence, KV head): tiles of one head are neighbours (shared q, do in L2)
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -76,7 +81,9 @@ def chunk_bwd_kernel_dh(
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
+        boh = 0
+        if STORE_STATES:
+            boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
     else:
         bos = i_n * T
         boh = i_n * tl.cdiv(T, BS)
@@ -98,14 +105,18 @@ def chunk_bwd_kernel_dh(
         b_dh = _load_state(dht + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
     if USE_G_GAMMA:
         b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+    if STORE_DECAY:
+        b_dk = tl.zeros([BK], dtype=tl.float32)  # [BK] running sum of the chunks' Γ, key side
+        b_dv = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
     for i_t in range(NT - 1, -1, -1):
         t0 = tl.cast(i_t, tl.int64) * BT  # first token of the chunk
         # The chunk closes a split (or the sequence): store the gradient w.r.t. the state leaving
         # it, before the chunk's own outputs are added.
-        if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
-            i_s = boh + i_t // CHUNKS_PER_SPLIT
-            _store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+        if STORE_STATES:
+            if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
+                i_s = boh + i_t // CHUNKS_PER_SPLIT
+                _store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
         rows = t0 + o_t  # [BT] token index inside the sequence
         m_t = rows < T
         last = tl.minimum(t0 + BT, T) - 1  # last valid token of the chunk
@@ -117,15 +128,21 @@ def chunk_bwd_kernel_dh(
             b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
             b_dh *= tl.math.exp2(b_g_last)
             b_gq += b_g
+            if STORE_DECAY:
+                b_dk += b_g_last
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1), Γ = γ·(valid length)
             b_dh *= tl.math.exp2(b_gamma * (last - t0 + 1).to(tl.float32))
             b_gq += b_gamma * (o_t + 1).to(tl.float32)
+            if STORE_DECAY:
+                b_dk += b_gamma * (last - t0 + 1).to(tl.float32)
         if USE_GK:  # key-side gate: q per key, rows of dh
             p_gk0 = gk + (bos * H + i_h) * K
             b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
                            other=0.0).to(tl.float32)  # [BK, BT]
             b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             b_dh *= tl.math.exp2(b_gk_last)[:, None]
+            if STORE_DECAY:
+                b_dk += b_gk_last
             b_qf = tl.where(m_t[None, :], scale * tl.math.exp2(b_gk + b_gq[None, :]), 0.0)  # [BK, BT]
         else:
             b_qf = tl.where(m_t, scale * tl.math.exp2(b_gq), 0.0)[None, :]  # [1, BT]
@@ -135,6 +152,8 @@ def chunk_bwd_kernel_dh(
                            other=0.0).to(tl.float32)  # [BT, BV]
             b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
             b_dh *= tl.math.exp2(b_gv_last)[None, :]
+            if STORE_DECAY:
+                b_dv += b_gv_last
             b_dof = tl.where(m_t[:, None], tl.math.exp2(b_gv), 0.0)  # [BT, BV]
 
         # The chunk's outputs, summed over the G query heads that read this KV head. A loop, not
@@ -154,21 +173,29 @@ def chunk_bwd_kernel_dh(
 
     if STORE_INITIAL_STATE_GRADIENT:
         _store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+    if STORE_DECAY:  # one writer per element: the tiles of the first column (row) of tiles
+        if i_v == 0:
+            tl.store(decay_k + i_nh * K + o_k, b_dk, mask=m_k)
+        if USE_GV and i_k == 0:
+            tl.store(decay_v + i_nh * V + o_v, b_dv, mask=m_v)
 
 
 def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
-                     BT, BS, state_v_first, config=None):
-    """Launch ``chunk_bwd_kernel_dh``: autotuned, or with one explicit ``triton.Config``."""
+                     BT, BS, state_v_first, config=None, decay_k=None, decay_v=None):
+    """Launch ``chunk_bwd_kernel_dh``: autotuned, or with one explicit ``triton.Config``.
+
+    ``dh`` None: store no gradients (only ``dh0`` and, given ``decay_k``, each sequence's total decay)."""
     B, T, HQ, _ = q.shape
     if N * H * K * V == 0:
         return
     args = dict(q=q, do=do, dh=dh, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=dht, dh0=dh0,
-                cu_seqlens=cu_seqlens, split_offsets=split_offsets, scale=scale, T=T, H=H, NG=HQ // H,
+                cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
+                scale=scale, T=T, H=H, NG=HQ // H,
                 K=K, V=V, BT=BT, BS=BS, GRID=_tuning.grid_bucket(N * H),
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
                 STORE_INITIAL_STATE_GRADIENT=dh0 is not None, IS_VARLEN=cu_seqlens is not None,
-                STATE_V_FIRST=state_v_first)
+                STATE_V_FIRST=state_v_first, STORE_STATES=dh is not None, STORE_DECAY=decay_k is not None)
 
     def grid(meta):
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
@@ -183,7 +210,7 @@ def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
 _tuned_backward = triton.autotune(
     configs=_tuning.CONFIGS,
     key=["K", "V", "NG", "BT", "BS", "GRID", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
-         "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN"],
+         "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
     prune_configs_by={"early_config_prune": _tuning.prune},
 )(chunk_bwd_kernel_dh)
 
@@ -206,6 +233,7 @@ def chunk_bwd_dh(
     split_size: int | None = None,
     states_in_fp32: bool = False,
     *,
+    pieces: int | None = None,
     config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients w.r.t. the states leaving every split: a drop-in for fla-core 0.6.0's ``chunk_bwd_dh``.
@@ -231,6 +259,9 @@ def chunk_bwd_dh(
         chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).
         split_size: BS, a multiple of BT (default BT): one gradient is stored per BS tokens.
         states_in_fp32: store ``dh`` in fp32 instead of k's dtype.
+        pieces: cut each sequence into this many pieces run in parallel (``chunkstate.pieces``);
+            None (default) decides from the occupancy (only far below one wave of programs),
+            1 never splits. The result is the same up to rounding.
         config: run one explicit ``triton.Config`` (BK, BV, warps, stages) instead of autotuning.
     Returns:
         dh: [B, NS, H, K, V], ``dh[:, s]`` the gradient w.r.t. the state *leaving* split s (after
@@ -275,6 +306,12 @@ def chunk_bwd_dh(
         NS = int(split_offsets[-1])
     dh = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(N, H, *state, dtype=torch.float32, device=q.device) if h0 is not None else None
-    _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
-                     BT, BS, state_v_first, config)
+    lengths = [T] * B if cu_seqlens is None else _pieces.lengths(cu_seqlens)
+    P = _pieces.choose(pieces, N, H, K, V, lengths, BS)
+    if P > 1:
+        _pieces.backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, N, H, K, V,
+                                   BT, BS, state_v_first, P, config)
+    else:
+        _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
+                         BT, BS, state_v_first, config)
     return dh, dh0

@@ -168,3 +168,34 @@ def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, s
     # 3. each piece again from its true initial state, storing its states in place
     _launch_forward(k, v, h.view(1, -1, H, *state), g, g_gamma, gk, gv, S, None, cu_pieces,
                     prepare_chunk_offsets(cu_pieces, BS), NP, BT, BS, state_v_first, config)
+
+
+def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, N, H, K, V, BT, BS,
+                       state_v_first, pieces, config=None):
+    """The backward's three steps, in reverse time: each piece from a zero gradient at its end
+    (its contribution Q_p to the gradient entering it, and its decay D_p); a reverse scan
+    ``dS_{p} = D_{p+1} ⊙ dS_{p+1} + Q_{p+1}`` from ``dht`` (the gradient leaving each piece; the
+    last one is ``dh0``); each piece again from its true ``dS_p``, storing ``dh`` in place."""
+    from .backward import _launch_backward
+    from .gates import prepare_chunk_offsets
+
+    B, T, HQ, _ = q.shape
+    flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
+    q, do, g, gk, gv = flat(q), flat(do), flat(g), flat(gk), flat(gv)
+    cu_host, seq_host = plan(lengths, BS, pieces)
+    dev = q.device
+    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=dev)
+    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=dev)
+    NP = len(cu_host) - 1
+    state = (V, K) if state_v_first else (K, V)
+    Q = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
+    decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
+    decay_v = torch.empty(NP, H, V, dtype=torch.float32, device=dev) if gv is not None else None
+    # 1. each piece from a zero gradient at its end
+    _launch_backward(q, do, None, g, g_gamma, gk, gv, None, Q, cu_pieces, None, scale, NP, H, K, V, BT, BS,
+                     state_v_first, config, decay_k=decay_k, decay_v=decay_v)
+    # 2. the true gradient leaving each piece (and dh0), scanning from the last piece
+    dS = scan(Q, decay_k, decay_v, dht, dh0, seq_pieces, N, H, K, V, True, state_v_first)
+    # 3. each piece again from its true gradient, storing dh in place
+    _launch_backward(q, do, dh.view(1, -1, H, *state), g, g_gamma, gk, gv, dS, None, cu_pieces,
+                     prepare_chunk_offsets(cu_pieces, BS), scale, NP, H, K, V, BT, BS, state_v_first, config)
