@@ -140,9 +140,9 @@ def shape(name, BT, BS):
     ragged chunk (T odd); the packed batch has empty and one-token sequences."""
     if name == "T1":
         return 2, 1, None, 20, 36
-    if name == "ragged":  # two full splits, then half a chunk and one token
-        return 2, 2 * BS + BT // 2 + 1, None, 33, 17
-    lens = [0, 1, BS + 3, 0, 2 * BS - 1]  # packed: empty, one token, just over a split, empty, ...
+    if name == "ragged":  # a full split, then a chunk and a half and one token
+        return 2, BS + BT + BT // 2 + 1, None, 28, 17
+    lens = [0, 1, BS + 3, 0, BS + BT + 1]  # packed: empty, one token, just over a split, empty, ...
     cu = [0, *itertools.accumulate(lens)]
     return 1, cu[-1], cu, 24, 40
 
@@ -438,3 +438,163 @@ def test_bad_input_is_refused_naming_it(i):
         chunk_bwd_dh(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("do"), args.pop("h0"), args.pop("dht"),
                      args.pop("scale"), **args)
     chunk_bwd_dh(ok["q"], ok["k"], ok["v"], ok["do"], ok["h0"], ok["dht"], ok["scale"])  # the unchanged call runs
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: large shapes, bf16, every autotune config, fla-core 0.6.0
+# ---------------------------------------------------------------------------------------------
+def reverse_loop(inp, nat, dht, cu, split_size):
+    """The token loop run backwards in float64, without autograd: fast enough for T = 4096.
+
+    R, the gradient w.r.t. the state after token t counting outputs after t, starts at dht; per
+    token from the last: store R if t closes a split, add scale · Σ_j q_tj do_tjᵀ, then undo the
+    token's decay, R ← diag(e^{a_t}) R diag(e^{b_t}). Same result as reference.state_grads
+    (test_reverse_loop_is_autograd_of_the_loop). Returns dh [B, NS, H, K, V], dh0 [N, H, K, V].
+    """
+    q, do = inp["q"].double(), inp["do"].double()
+    B, T, HQ, K = q.shape
+    H, V = inp["k"].shape[2], do.shape[-1]
+    G = HQ // H
+    a = torch.zeros(B, T, H, K, dtype=torch.float64, device=q.device)  # key-side log-decay per token
+    if "g" in nat:
+        a = a + nat["g"].double()[..., None]
+    if "g_gamma" in nat:
+        a = a + nat["g_gamma"].double()[:, None]
+    if "gk" in nat:
+        a = a + nat["gk"].double()
+    b = nat["gv"].double() if "gv" in nat else None
+    if cu is None:  # (rows, first token, end, sequences, first split slot): dense rows run together
+        segments = [(list(range(B)), 0, T, list(range(B)), 0)]
+        NS = -(-T // split_size)
+    else:
+        bounds, slots = cu.tolist(), gates.prepare_chunk_offsets(cu, split_size).tolist()
+        segments = [([0], bounds[n], bounds[n + 1], [n], slots[n]) for n in range(len(bounds) - 1)]
+        NS = slots[-1]
+    N = B if cu is None else len(cu) - 1
+    dh = torch.zeros(B, NS, H, K, V, dtype=torch.float64, device=q.device)
+    dh0 = torch.zeros(N, H, K, V, dtype=torch.float64, device=q.device)
+    for rows, bos, eos, seqs, first_slot in segments:
+        R = dht[seqs].double() if dht is not None else torch.zeros_like(dh0[seqs])
+        for t in range(eos - 1, bos - 1, -1):
+            if (t - bos) % split_size == split_size - 1 or t == eos - 1:
+                dh[rows, first_slot + (t - bos) // split_size] = R
+            R = R + inp["scale"] * torch.einsum("nhgk,nhgv->nhkv", q[rows, t].view(-1, H, G, K),
+                                                do[rows, t].view(-1, H, G, V))
+            R = torch.exp(a[rows, t])[..., None] * R
+            if b is not None:
+                R = R * torch.exp(b[rows, t])[:, :, None, :]
+        dh0[seqs] = R
+    return dh, dh0
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 40, 40, 100]])
+def test_reverse_loop_is_autograd_of_the_loop(cu):
+    """The GPU tests' fast oracle agrees with reference.state_grads (float64 both: 1e-12)."""
+    B = 2 if cu is None else 1
+    inp, nat, h0, dht, cu = make_case(B, 100, 2, 2, 12, 20, GATES, 16, torch.float64, cu, device="cpu")
+    dh, dh0 = reverse_loop(inp, nat, dht, cu, 32)
+    ref_dh, ref_dh0 = loop_grads(inp, nat, h0, dht, cu, 16, 32)
+    check_close(dh, ref_dh, "dh", 1e-12)
+    check_close(dh0, ref_dh0, "dh0", 1e-12)
+
+
+# (B, T, H, G, K, V, cu_seqlens, gates, BT, split multiple, state_v_first)
+GPU_CASES = [
+    (2, 4096, 4, 1, 128, 128, None, ("g",), 64, 1, False),
+    (2, 4096, 4, 1, 128, 128, None, ("gk",), 64, 1, True),
+    (2, 4096, 4, 1, 128, 128, None, ("g", "g_gamma"), 64, 2, False),
+    (2, 4096, 4, 1, 128, 128, None, GATES, 64, 4, False),
+    (4, 1000, 4, 2, 128, 128, None, ("g_gamma", "gv"), 32, 2, True),
+    (8, 777, 2, 8, 64, 96, None, ("g",), 128, 2, False),
+    (1, 4096, 4, 2, 128, 128, [0, 0, 1, 1000, 1000, 3001, 4096], GATES, 64, 2, False),
+    (1, 3000, 8, 1, 100, 72, [0, 1500, 1501, 3000], ("gk", "gv"), 64, 1, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}G{c[3]}K{c[4]}V{c[5]}-"
+                         f"{'varlen-' if c[6] else ''}{'+'.join(c[7])}-BT{c[8]}-BS{c[9]}x{'-vk' if c[10] else ''}")
+def test_gpu_large_against_the_loop(case, dtype):
+    B, T, H, G, K, V, cu, gate_names, BT, splits, state_v_first = case
+    inp, nat, h0, dht, cu = make_case(B, T, H, G, K, V, gate_names, BT, dtype, cu)
+    BS = splits * BT
+    dh, dh0 = run_backward(inp, nat, h0, dht, cu, BT, None if splits == 1 else BS, state_v_first)
+    ref_dh, ref_dh0 = reverse_loop(inp, nat, dht, cu, BS)
+    check_close(dh, ref_dh, "dh", TOL[dtype])
+    check_close(dh0, ref_dh0, "dh0", TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_every_config(dtype):
+    """Every config the autotuner may ever pick, run through config= and checked (K = V = 128:
+    all of them are valid tiles). A config that does not fit in shared memory raises Triton's
+    OutOfResources, which the autotuner skips; bf16 configs must all fit."""
+    from triton.runtime.errors import OutOfResources
+
+    inp, nat, h0, dht, cu = make_case(2, 512, 4, 2, 128, 128, GATES, 64, dtype)
+    ref_dh, ref_dh0 = reverse_loop(inp, nat, dht, cu, 128)
+    wrong, too_big = [], []
+    for config in _tuning.ALL_CONFIGS:
+        name = f"BK{config.kwargs['BK']} BV{config.kwargs['BV']} w{config.num_warps} s{config.num_stages}"
+        try:
+            dh, dh0 = run_backward(inp, nat, h0, dht, cu, 64, 128, config=config)
+        except OutOfResources:
+            too_big.append(name)
+            continue
+        if not (rel_err(dh, ref_dh) < TOL[dtype] and rel_err(dh0, ref_dh0) < TOL[dtype]):
+            wrong.append(f"{name}: dh {rel_err(dh, ref_dh):.2e}, dh0 {rel_err(dh0, ref_dh0):.2e}")
+    assert not wrong, f"{len(wrong)} configs give wrong gradients: {wrong}"
+    if dtype == torch.bfloat16:
+        assert not too_big, f"bf16 configs over the shared memory: {too_big}"
+    assert len(too_big) < len(_tuning.ALL_CONFIGS)
+
+
+def _fla_chunk_h(monkeypatch):
+    """fla-core 0.6.0's chunk_h module, its backward tuned over one config only (it would time 48
+    per specialisation: 34-49 s each on an H200); skips when fla is not installed."""
+    fla_chunk_h = pytest.importorskip("fla.ops.common.chunk_h")
+    import importlib.metadata
+
+    if importlib.metadata.version("fla-core") != "0.6.0":
+        pytest.skip("compares against fla-core 0.6.0 exactly")
+    monkeypatch.setattr(fla_chunk_h.chunk_bwd_kernel_dh.fn, "configs",
+                        [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)])
+    return fla_chunk_h
+
+
+@gpu
+@pytest.mark.parametrize("gate_names", [("g",), ("g_gamma",), ("gk",), ("gv",), ("gk", "gv"), ("g", "gk", "gv")],
+                         ids="+".join)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cu", [None, [0, 0, 700, 2048, 4096]], ids=["dense", "varlen"])
+def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, monkeypatch):
+    """HQ = H and split_size = chunk_size, one gate kind or gk with gv (fla 0.6.0's GQA and split
+    paths are wrong, and so is g with g_gamma). fla takes the same log2 chunk-local cumsums."""
+    fla = _fla_chunk_h(monkeypatch)
+    B, T = (2, 2048) if cu is None else (1, 4096)
+    inp, nat, h0, dht, cu = make_case(B, T, 4, 1, 128, 128, gate_names, 64, dtype, cu)
+    ours = run_backward(inp, nat, h0, dht, cu, 64)
+    with nan_poisoned_empty():
+        theirs = fla.chunk_bwd_dh(inp["q"], inp["k"], inp["v"], inp["do"], h0, dht, inp["scale"],
+                                  **kernel_gates(nat, 64, cu), cu_seqlens=cu, chunk_size=64)
+    check_close(ours[0], theirs[0], "dh vs fla", TOL[dtype])
+    check_close(ours[1], theirs[1], "dh0 vs fla", TOL[dtype])
+
+
+@gpu
+def test_gpu_fla_gqa_bug_is_not_ours(monkeypatch):
+    """fla 0.6.0 with HQ = 2H allocates HQ heads, launches N·H programs and indexes by HQ: its dh0
+    is wrong (and part of its dh never written), while chunkstate matches the loop."""
+    fla = _fla_chunk_h(monkeypatch)
+    inp, nat, h0, dht, cu = make_case(2, 512, 2, 2, 64, 64, ("g",), 64, torch.float32)
+    ref_dh, ref_dh0 = reverse_loop(inp, nat, dht, cu, 64)
+    dh, dh0 = run_backward(inp, nat, h0, dht, cu, 64)
+    check_close(dh, ref_dh, "dh", TOL[torch.float32])
+    check_close(dh0, ref_dh0, "dh0", TOL[torch.float32])
+    with nan_poisoned_empty():
+        _, fla_dh0 = fla.chunk_bwd_dh(inp["q"], inp["k"], inp["v"], inp["do"], h0, dht, inp["scale"],
+                                      **kernel_gates(nat, 64, cu), chunk_size=64)
+    err = rel_err(fla_dh0, ref_dh0)
+    assert not err < 0.1, f"fla's GQA dh0 is within {err:.1e} of the loop: fixed upstream? update this test"
