@@ -53,8 +53,9 @@ def test_the_valid_call_runs(ok):
     (lambda a: dict(a, v=a["v"][:, :, :-1]), ValueError, r"v must have shape \[2, 40, 3, \*\]"),
     (lambda a: dict(a, v=a["v"][0]), ValueError, r"v must have shape"),
     (lambda a: dict(a, v=a["v"].half()), TypeError, r"v must have k's dtype torch\.float32"),
+    (lambda a: dict(a, k=a["k"].double(), v=a["v"].double()), TypeError, r"k must be fp16, bf16 or fp32"),
 ], ids=["k-list", "k-3d", "k-5d", "k-int", "v-int", "v-none", "v-batch", "v-time", "v-heads", "v-3d",
-        "v-dtype"])
+        "v-dtype", "k-fp64"])
 def test_keys_and_values(ok, change, exc, match):
     with pytest.raises(exc, match=match):
         chunkstate.chunk_fwd_h(**change(ok))
