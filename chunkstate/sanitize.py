@@ -1,7 +1,8 @@
 """Every kernel, every config, ragged shapes — small enough to run under NVIDIA compute-sanitizer.
 
-The workload (``python -m chunkstate.sanitize``) launches the forward kernel (plain and as the
-two passes of sequence pieces), the pieces' scan kernel and the backward kernel on ragged cases —
+The workload (``python -m chunkstate.sanitize``) launches the forward and backward kernels (plain,
+and as the two passes of sequence pieces) and the pieces' scan kernel (both directions) on ragged
+cases —
 T not a multiple of the chunk, K and V not multiples of any tile, packed batches with empty and
 one-token sequences, a batch of only empty sequences, GQA, split sizes of 1, 2 and 4 chunks, both
 state layouts and precisions — and, on the sweep case, with *every* config of
@@ -13,10 +14,10 @@ the sanitizer misses it. Outputs are allocated NaN-poisoned (``testing.nan_poiso
 element never written fails the check. Exit status 1 on any mismatch or exception.
 
 Run on a GPU machine. Each tool slows kernels ~10-100x, but the shapes are tiny: compilation
-dominates. The full run compiles ~170 kernels (every config for the forward and the backward on
+dominates. The full run compiles ~200 kernels (every config for the forward and the backward on
 the sweep case, one per tile shape for the pieces' passes), ~1 s each the first time; Triton
 caches them on disk, so later runs (the tools after ``--all-tools``' plain run) only load them.
-``--quick`` (one config per tile shape, ~40 kernels) is meant to fit a 10-minute slot for all
+``--quick`` (one config per tile shape, ~60 kernels) is meant to fit a 10-minute slot for all
 three tools (not yet timed on the H200)::
 
     # one command: a plain run (warms Triton's cache), then the three tools in turn, one summary
@@ -100,7 +101,7 @@ class Case:
     dht: bool
     state_v_first: bool = False
     states_in_fp32: bool = False
-    pieces: tuple[int, ...] = (1,)  # forward piece counts to run (1: the plain kernel)
+    pieces: tuple[int, ...] = (1,)  # piece counts to run (1: the plain kernel), forward and backward
     fp32: bool = False  # fp32 inputs (tf32 dots on a GPU); else bf16 on a GPU, fp32 on the CPU
     sweep: bool = False  # every config of ALL_CONFIGS valid for the shape
     gpu_only: bool = False
@@ -249,51 +250,41 @@ def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool) -
     repeats = 2 if case.sweep and not INTERPRET else 1  # the interpreter has no races to repeat
     common = dict(state_v_first=case.state_v_first, cu_seqlens=dev["cu"], chunk_size=case.BT,
                   split_size=case.BS, states_in_fp32=case.states_in_fp32)
+
+    def forward(cfg, P):
+        return chunk_fwd_h(dev["k"], dev["v"], **kg, h0=dev["h0"], output_final_state=case.ht, pieces=P,
+                           config=cfg, **common)
+
+    def backward(cfg, P):
+        kw = dict(pieces=P) if BACKWARD_PIECES else {}
+        return chunk_bwd_dh(dev["q"], dev["k"], dev["v"], dev["do"], dev["h0"], dev["dht"], scale, **kg,
+                            config=cfg, **common, **kw)
+
+    kernels = [("forward", forward, ("h", "ht"), (h_ref, ht_ref), case.ht),
+               ("backward", backward, ("dh", "dh0"), (dh_ref, dh0_ref), case.h0)]
     for cfg in configs:
-        for P in case.pieces:
-            if P > 1 and cfg not in piece_configs:
-                continue
-            what = f"{case.name} {cfg_id(cfg)} forward pieces={P}"
-            try:
-                runs = []
-                for _ in range(repeats):
-                    with poisoned():
-                        runs.append(chunk_fwd_h(dev["k"], dev["v"], **kg, h0=dev["h0"], output_final_state=case.ht,
-                                                pieces=P, config=cfg, **common))
-                    if DEVICE == "cuda":
-                        torch.cuda.synchronize()
-            except Exception as e:  # a launch error, or a CUDA error the sanitizer provoked
-                check.fail(what, e)
-                continue
-            h, ht = runs[0]
-            check.close(f"{what} h", _kv(h, case), h_ref, tol)
-            if case.ht:
-                check.close(f"{what} ht", _kv(ht, case), ht_ref, tol)
-            for h2, ht2 in runs[1:]:
-                check.same(f"{what} h", h, h2)
-                if case.ht:
-                    check.same(f"{what} ht", ht, ht2)
-        what = f"{case.name} {cfg_id(cfg)} backward"
-        kw = dict(pieces=case.pieces[-1]) if BACKWARD_PIECES else {}
-        try:
-            runs = []
-            for _ in range(repeats):
-                with poisoned():
-                    runs.append(chunk_bwd_dh(dev["q"], dev["k"], dev["v"], dev["do"], dev["h0"], dev["dht"], scale,
-                                             **kg, config=cfg, **common, **kw))
-                if DEVICE == "cuda":
-                    torch.cuda.synchronize()
-        except Exception as e:
-            check.fail(what, e)
-            continue
-        dh, dh0 = runs[0]
-        check.close(f"{what} dh", _kv(dh, case), dh_ref, tol)
-        if case.h0:
-            check.close(f"{what} dh0", _kv(dh0, case), dh0_ref, tol)
-        for dh2, dh02 in runs[1:]:
-            check.same(f"{what} dh", dh, dh2)
-            if case.h0:
-                check.same(f"{what} dh0", dh0, dh02)
+        for direction, run, names, refs, second in kernels:
+            for P in case.pieces if direction == "forward" or BACKWARD_PIECES else (1,):
+                if P > 1 and cfg not in piece_configs:
+                    continue
+                what = f"{case.name} {cfg_id(cfg)} {direction} pieces={P}"
+                try:
+                    runs = []
+                    for _ in range(repeats):
+                        with poisoned():
+                            runs.append(run(cfg, P))
+                        if DEVICE == "cuda":
+                            torch.cuda.synchronize()
+                except Exception as e:  # a launch error, or a CUDA error the sanitizer provoked
+                    check.fail(what, e)
+                    continue
+                outs = [(names[0], 0, True), (names[1], 1, second)]  # (name, index, returned?)
+                for name, i, present in outs:
+                    if not present:
+                        continue
+                    check.close(f"{what} {name}", _kv(runs[0][i], case), refs[i], tol)
+                    for again in runs[1:]:
+                        check.same(f"{what} {name}", runs[0][i], again[i])
 
 
 class _no_poison:
