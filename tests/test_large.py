@@ -13,7 +13,7 @@ windows, exactly:
   next states (and ``ht`` when the window reaches T). Windows sit at each row's start, middle
   and end, and at the splits where an element offset of k/v/gk or of h first passes a multiple
   of 2^31 — a wrapped int32 offset reads or writes the wrong place right there;
-- backward: ``dh`` is linear in later outputs, so the gradient leaving the window's last split
+- backward (pieces off and on, as the forward): ``dh`` is linear in later outputs, so the gradient leaving the window's last split
   (the kernel's own fp32 ``dh``, or ``dht`` at the end) stands for everything after it; autograd
   through the float64 loop over the window must then give the kernel's ``dh`` of the window's
   earlier splits (and ``dh0`` for the window at the start).
@@ -156,7 +156,7 @@ def test_forward_windows_toy():
 # (c) backward with offsets past 2^31
 # ---------------------------------------------------------------------------------------------
 
-def check_backward_windows(B, T, H, G, K, V, BT, BS, dtype, config, limit=INT31):
+def check_backward_windows(B, T, H, G, K, V, BT, BS, dtype, pieces_list, config, limit=INT31):
     HQ, scale = H * G, K ** -0.5
     q = torch.randn(B, T, HQ, K, device=DEVICE, dtype=dtype)
     do = torch.randn(B, T, HQ, V, device=DEVICE, dtype=dtype)
@@ -167,38 +167,40 @@ def check_backward_windows(B, T, H, G, K, V, BT, BS, dtype, config, limit=INT31)
     gv_nat, gv = big_gate(B, T, H, V, BT, dtype)
     h0 = torch.zeros(B, H, K, V, device=DEVICE)  # asks for dh0
     dht = torch.randn(B, H, K, V, device=DEVICE)
-    dh, dh0 = chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=g, gv=gv, chunk_size=BT, split_size=BS,
-                           states_in_fp32=True, config=config)
     NS = triton.cdiv(T, BS)
-    assert dh.shape == (B, NS, H, K, V) and dh.dtype == torch.float32 and dh0.dtype == torch.float32
-    assert torch.equal(dh[:, -1], dht), "the last split's gradient must be dht"
     # s0 = -1: the window opens at token 0 and its first checked gradient is dh0
     windows = row_windows(B, NS, -1, max(-1, NS - 1 - WINDOW))
     windows |= crossing_windows(B, T, NS, BS, HQ * max(K, V), H * K * V, -1, limit)
-    for b, s0 in sorted(windows):
-        ta, tb = (s0 + 1) * BS, min(T, (s0 + 1 + WINDOW) * BS)
-        D = dht[b] if tb == T else dh[b, s0 + WINDOW]  # gradient leaving the window's last split
-        sl = (slice(b, b + 1), slice(ta, tb))
-        dh_ref, dh0_ref = reference.state_grads(q[sl], k[sl], v[sl], do[sl], g=g_nat[sl], gv=gv_nat[sl],
-                                                dht=D[None], scale=scale, chunk_size=BT, split_size=BS)
-        n = dh_ref.shape[1]  # window splits s0+1 .. s0+n; the last one's gradient is D itself
-        want = torch.cat([dh0_ref, dh_ref[0, :-1]])  # gradients leaving splits s0 .. s0+n-1
-        first = dh0[b][None] if s0 == -1 else dh[b, s0][None]
-        got = torch.cat([first, dh[b, s0 + 1:s0 + n]])
-        check_close(got, want, f"row {b} splits {s0}..{s0 + n - 1} (tokens {ta}..{tb})", TOL[dtype])
-    del dh, dh0
+    for pieces in pieces_list:
+        dh, dh0 = chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=g, gv=gv, chunk_size=BT, split_size=BS,
+                               states_in_fp32=True, pieces=pieces, config=config)
+        assert dh.shape == (B, NS, H, K, V) and dh.dtype == torch.float32 and dh0.dtype == torch.float32
+        assert torch.equal(dh[:, -1], dht), f"pieces={pieces}: the last split's gradient must be dht"
+        for b, s0 in sorted(windows):
+            ta, tb = (s0 + 1) * BS, min(T, (s0 + 1 + WINDOW) * BS)
+            D = dht[b] if tb == T else dh[b, s0 + WINDOW]  # gradient leaving the window's last split
+            sl = (slice(b, b + 1), slice(ta, tb))
+            dh_ref, dh0_ref = reference.state_grads(q[sl], k[sl], v[sl], do[sl], g=g_nat[sl], gv=gv_nat[sl],
+                                                    dht=D[None], scale=scale, chunk_size=BT, split_size=BS)
+            n = dh_ref.shape[1]  # window splits s0+1 .. s0+n; the last one's gradient is D itself
+            want = torch.cat([dh0_ref, dh_ref[0, :-1]])  # gradients leaving splits s0 .. s0+n-1
+            first = dh0[b][None] if s0 == -1 else dh[b, s0][None]
+            got = torch.cat([first, dh[b, s0 + 1:s0 + n]])
+            check_close(got, want, f"pieces={pieces} row {b} splits {s0}..{s0 + n - 1} (tokens {ta}..{tb})",
+                        TOL[dtype])
+        del dh, dh0
     return windows
 
 
 @gpu_only
 def test_gpu_backward_offsets_beyond_2_31():
     """bf16 B2 T=2^20+1000 H4 G2 (HQ 8) K=V=128, gates g and gv: q and do hold 2.15e9 elements
-    each, the fp32 gradients 2.15e9."""
+    each, the fp32 gradients 2.15e9; pieces off and automatic (32 programs: pieces are chosen)."""
     B, T, H, G, K, V, BT = 2, 2 ** 20 + 1000, 4, 2, 128, 128, 64
     assert B * T * H * G * K > INT31 and B * triton.cdiv(T, BT) * H * K * V > INT31
     torch.cuda.reset_peak_memory_stats()
     cfg = triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)
-    windows = check_backward_windows(B, T, H, G, K, V, BT, BT, torch.bfloat16, cfg)
+    windows = check_backward_windows(B, T, H, G, K, V, BT, BT, torch.bfloat16, (1, None), cfg)
     assert any((s0 + 1) * BT * H * G * K + b * T * H * G * K > INT31 for b, s0 in windows)
     torch.cuda.empty_cache()
     assert torch.cuda.max_memory_allocated() < MAX_GB * 2 ** 30
@@ -207,7 +209,7 @@ def test_gpu_backward_offsets_beyond_2_31():
 def test_backward_windows_toy():
     cfg = triton.Config({"BK": 16, "BV": 16}, num_warps=4, num_stages=1)
     assert crossing_windows(2, 100, 4, 32, 4 * 16, 2 * 16 * 16, -1, TOY_LIMIT)
-    check_backward_windows(2, 100, 2, 2, 16, 16, 16, 32, torch.float32, cfg, TOY_LIMIT)
+    check_backward_windows(2, 100, 2, 2, 16, 16, 16, 32, torch.float32, (1, 2), cfg, TOY_LIMIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,15 +259,17 @@ def check_many_sequences(N, H, G, K, V, BT, BS, pieces_list, config, special, ma
             assert torch.equal(ht[n], h0[n]), f"pieces={pieces}: empty sequence {n}'s ht must be its h0"
         del h, ht
 
-    dh, dh0 = chunk_bwd_dh(x["q"], x["k"], x["v"], x["do"], h0, dht, K ** -0.5, **kg, cu_seqlens=cu_t,
-                           chunk_size=BT, split_size=BS, config=config)
     dh_ref, dh0_ref = reference.state_grads(sub["q"], sub["k"], sub["v"], sub["do"], **sub_nat,
                                             g_gamma=nat["g_gamma"], h0=h0[seqs], dht=dht[seqs], cu_seqlens=sub_cu,
                                             scale=K ** -0.5, chunk_size=BT, split_size=BS)
-    check_close(pick(dh), dh_ref, "sampled sequences' dh", tol)
-    check_close(dh0[seqs], dh0_ref, "sampled sequences' dh0", tol)
-    for n in empty:
-        assert torch.equal(dh0[n], dht[n]), f"empty sequence {n}'s dh0 must be its dht"
+    for pieces in pieces_list:
+        dh, dh0 = chunk_bwd_dh(x["q"], x["k"], x["v"], x["do"], h0, dht, K ** -0.5, **kg, cu_seqlens=cu_t,
+                               chunk_size=BT, split_size=BS, pieces=pieces, config=config)
+        check_close(pick(dh), dh_ref, f"pieces={pieces}: sampled sequences' dh", tol)
+        check_close(dh0[seqs], dh0_ref, f"pieces={pieces}: sampled sequences' dh0", tol)
+        for n in empty:
+            assert torch.equal(dh0[n], dht[n]), f"pieces={pieces}: empty sequence {n}'s dh0 must be its dht"
+        del dh, dh0
     return seqs
 
 
@@ -273,7 +277,7 @@ def check_many_sequences(N, H, G, K, V, BT, BS, pieces_list, config, special, ma
 def test_gpu_more_than_65535_sequence_heads():
     """35,000 sequences x 2 heads = 70,000 (sequence, head) pairs — 70,000 programs of 16x32 tiles
     (fla 0.5.2's grid stopped at 65,535) — all four gates, split = 2 chunks, GQA G = 2 in the
-    backward, pieces off and 2 (the piece scan then also has 70,000 programs). Sampled: both sides
+    backward, pieces off and 2 in both directions (the piece scan then also has 70,000 programs). Sampled: both sides
     of pair 65,535 (sequences 32,767 / 32,768), the first and last ones, empty and one-token ones."""
     N, H = 35_000, 2
     assert N * H > 65_535

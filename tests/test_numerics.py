@@ -291,15 +291,16 @@ def test_forward_non_finite_stays_in_its_sequence(where, value, pieces):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")
-@pytest.mark.parametrize("where,value", [("q", math.nan), ("do", math.inf), ("g", math.nan), ("gk", math.nan),
-                                         ("dht", math.nan)])
-def test_backward_non_finite_stays_in_its_sequence(where, value):
+@pytest.mark.parametrize("where,value,pieces", [("q", math.nan, 1), ("do", math.inf, 2), ("g", math.nan, 1),
+                                                ("gk", math.nan, 2), ("dht", math.nan, 2)])
+def test_backward_non_finite_stays_in_its_sequence(where, value, pieces):
     """GQA G = 2: the bad query head 2·BAD_HEAD+1 reaches only KV head BAD_HEAD. dh[s] (leaving
     split s) collects the outputs after split s: splits ending at or after the bad token keep
-    their values, earlier ones (and dh0) turn non-finite."""
+    their values, earlier ones (and dh0) turn non-finite; pieces = 2 carries it across the reverse
+    piece scan, for that sequence only."""
     case = _nan_case(G=2)
     run = lambda c: backward(c["q"], c["k"], c["v"], c["do"], c["kg"], c["h0"], c["dht"], c["cu"],  # noqa: E731
-                             BT_NAN, BS_NAN)
+                             BT_NAN, BS_NAN, pieces=pieces)
     dh, dh0 = run(case)
     dh_bad, dh0_bad = run(_poison(case, where, value))
     assert torch.isfinite(dh).all() and torch.isfinite(dh0).all()
