@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 from chunkstate import gates, reference
 from chunkstate.backward import chunk_bwd_dh
-from chunkstate.gates import RCP_LN2, prepare_chunk_offsets
+from chunkstate.gates import RCP_LN2
 from chunkstate.testing import check_close, nan_poisoned_empty
 
 ON_GPU = chunkstate.DEVICE == "cuda"

@@ -1,5 +1,5 @@
 """Large shapes on a GPU: element offsets past 2^31 and more than 65,535 (sequence, head) pairs,
-for ``chunk_fwd_h`` (pieces off and on) and ``chunk_bwd_dh``.
+for ``chunk_fwd_h`` and ``chunk_bwd_dh``, each with sequence pieces off and on.
 
 GPU only: these tensors hold billions of elements (a CPU interpreter would need hours). Each GPU
 test has a toy twin that runs the *same* checking code at a few hundred tokens on CPU, so the
@@ -13,10 +13,11 @@ windows, exactly:
   next states (and ``ht`` when the window reaches T). Windows sit at each row's start, middle
   and end, and at the splits where an element offset of k/v/gk or of h first passes a multiple
   of 2^31 — a wrapped int32 offset reads or writes the wrong place right there;
-- backward (pieces off and on, as the forward): ``dh`` is linear in later outputs, so the gradient leaving the window's last split
-  (the kernel's own fp32 ``dh``, or ``dht`` at the end) stands for everything after it; autograd
-  through the float64 loop over the window must then give the kernel's ``dh`` of the window's
-  earlier splits (and ``dh0`` for the window at the start).
+- backward (pieces off and on, as the forward): ``dh`` is linear in later outputs, so the
+  gradient leaving the window's last split (the kernel's own fp32 ``dh``, or ``dht`` at the end)
+  stands for everything after it; autograd through the float64 loop over the window must then
+  give the kernel's ``dh`` of the window's earlier splits (and ``dh0`` for the window at the
+  start).
 
 Memory: (a) forward ~31 GB, (c) backward ~28 GB, (b) ~0.2 GB — each test frees its tensors and
 asserts its peak stays under ``MAX_GB``. Configs are explicit (``config=``) so no autotuning runs.
