@@ -4,7 +4,8 @@ On CPU (Triton's interpreter, fp32 and fp16): a pairwise grid over the gates (ea
 composed, ``g`` with ``g_gamma`` included), initial / final states, both state layouts, state
 precision, chunk sizes 16/32/64, split sizes 1/2/4 chunks, odd shapes (T = 1, 63, 100; K, V not
 powers of two, larger than one tile), packed batches with empty and one-token sequences and
-explicit multi-tile configs; then exact identities between calls, T = 0 and non-contiguous inputs.
+explicit multi-tile configs; then exact identities between calls, T = 0, non-contiguous inputs
+and sequence pieces (``pieces=P``, also with several tiles).
 
 On a GPU only (skipped on CPU, saying why): bf16 and fp32 at T >= 4096 with K = V = 64/128/256,
 every config of ``_tuning.ALL_CONFIGS``, fla-core 0.6.0's kernel where fla is right, more than
@@ -373,19 +374,20 @@ def test_noncontiguous_inputs(state_v_first, device):
 
 
 @cpu_only
-@pytest.mark.parametrize("pieces,cu,gs,vf", [
-    (2, None, ("g", "gk"), False),
-    (3, [0, 0, 1, 40, 40, 100], ("g_gamma", "gv"), True),
-    (4, [0, 100], GATE_NAMES, False),
-], ids=["2-dense-g+gk", "3-varlen-g_gamma+gv-vk", "4-one-sequence-allgates"])
-def test_sequence_pieces_against_loop(pieces, cu, gs, vf, device):
+@pytest.mark.parametrize("pieces,cu,gs,vf,tile", [
+    (2, None, ("g", "gk"), False, None),
+    (3, [0, 0, 1, 40, 40, 100], ("g_gamma", "gv"), True, None),
+    (4, [0, 100], GATE_NAMES, False, (16, 16)),  # 2 x 2 tiles: the decays have one writer per element
+], ids=["2-dense-g+gk", "3-varlen-g_gamma+gv-vk", "4-one-sequence-allgates-16x16"])
+def test_sequence_pieces_against_loop(pieces, cu, gs, vf, tile, device):
     """chunk_fwd_h(pieces=P): each sequence cut into P runs from zero, a scan of their final states
     and total decays, then the states again; the same states as the loop (and as one piece)."""
     B, H = (2, 1) if cu is None else (1, 2)
     case = make_case(B, 100, H, 24, 20, torch.float32, gs, True, cu, device)
+    cfg = None if tile is None else triton.Config({"BK": tile[0], "BV": tile[1]}, num_warps=4, num_stages=1)
     h, ht = check_against_loop(case, TOL_FP32, TOL_FP32, 16, 32, what=f"pieces={pieces}", state_v_first=vf,
-                               pieces=pieces)
-    h1, ht1 = run_kernel(case, 16, 32, state_v_first=vf, pieces=1)
+                               pieces=pieces, config=cfg)
+    h1, ht1 = run_kernel(case, 16, 32, state_v_first=vf, pieces=1, config=cfg)
     check_close(h, h1, "pieces vs one piece", TOL_FP32)
     check_close(ht, ht1, "pieces vs one piece (ht)", TOL_FP32)
 
