@@ -118,7 +118,8 @@ def _gates(names, B, T, H, K, V):
     (1, 63, 2, 3, 9, 6, 16, 64, True),      # GQA G = 3, one split holding every chunk
 ])
 def test_chunked_state_grads_dense(names, B, T, H, G, K, V, BT, BS, dht):
-    q, k, v, do = torch.randn(B, T, H * G, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V), torch.randn(B, T, H * G, V)
+    q, do = torch.randn(B, T, H * G, K), torch.randn(B, T, H * G, V)
+    k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
     nat = _gates(names, B, T, H, K, V)
     dht_ = torch.randn(B, H, K, V) if dht else None
     dh, dh0 = ex.chunked_state_grads(q, k, v, do, **nat, dht=dht_, chunk_size=BT, split_size=BS)
@@ -132,7 +133,8 @@ def test_chunked_state_grads_packed_with_empty_sequences():
     lens = [0, 1, 37, 50, 0, 20]
     cu = torch.tensor([0] + lens).cumsum(0)
     T, N = sum(lens), len(lens)
-    q, k, v, do = torch.randn(1, T, H * G, K), torch.randn(1, T, H, K), torch.randn(1, T, H, V), torch.randn(1, T, H * G, V)
+    q, do = torch.randn(1, T, H * G, K), torch.randn(1, T, H * G, V)
+    k, v = torch.randn(1, T, H, K), torch.randn(1, T, H, V)
     nat = _gates(("g", "g_gamma", "gk", "gv"), 1, T, H, K, V)
     dht = torch.randn(N, H, K, V)
     dh, dh0 = ex.chunked_state_grads(q, k, v, do, **nat, dht=dht, cu_seqlens=cu, chunk_size=BT, split_size=2 * BT)
