@@ -93,18 +93,20 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     T = gate.shape[1]
     # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
     _validate.cu_seqlens(cu_seqlens, gate.shape[0], T, like=gate if cu_seqlens is None else cu_seqlens)
-    ids = _chunk_ids(T, chunk_size, cu_seqlens, gate.device)
-    x = gate.to(torch.float64)
-    if reverse:
-        x = x.flip(1)
-        ids = ids.flip(0)
-    total = x.cumsum(1)
-    # Subtract the running total just before each group's first token (groups are contiguous).
+    ids = _chunk_ids(T, chunk_size, cu_seqlens, gate.device)  # [T] chunk of each token
+    # Scatter the tokens into [B, chunks, BT, ...] (position inside its chunk), sum along the chunk,
+    # gather back: each chunk's sum sees only its own tokens, so a NaN or -inf gate stays in its chunk.
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
     start = torch.cummax(torch.where(first, torch.arange(T, device=gate.device), 0), 0).values
-    before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], 1)
-    out = total - before[:, start]
+    pos = torch.arange(T, device=gate.device) - start  # [T] position inside its chunk
+    n_chunks = int(ids[-1]) + 1 if T > 0 else 0
+    x = gate.to(torch.float64)
+    padded = x.new_zeros(x.shape[0], n_chunks, chunk_size, *x.shape[2:])
+    padded[:, ids, pos] = x
     if reverse:
-        out = out.flip(1)
+        padded = padded.flip(2).cumsum(2).flip(2)
+    else:
+        padded = padded.cumsum(2)
+    out = padded[:, ids, pos]
     return (out * scale).to(dtype)

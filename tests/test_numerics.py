@@ -322,9 +322,6 @@ def test_backward_non_finite_stays_in_its_sequence(where, value, pieces):
     assert torch.equal(dh0_bad[BAD_SEQ, other], dh0[BAD_SEQ, other])
 
 
-@pytest.mark.xfail(strict=True, reason="gates.chunk_local_cumsum takes one global cumsum along T and "
-                   "subtracts, so a NaN gate in one sequence turns every later chunk of every later "
-                   "sequence NaN (reported to the lead; remove this mark when fixed)")
 def test_chunk_local_cumsum_keeps_a_nan_in_its_chunk():
     """A NaN natural-log gate at one token makes its chunk's cumsum NaN from that token on, and
     nothing else: other chunks and other sequences are unchanged."""
