@@ -20,6 +20,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -393,7 +394,6 @@ def test_no_tokens(cu):
 def test_scale_is_taken_as_a_float():
     """An int scale (fla's callers pass 1 for some ops) gives exactly the float result; numpy
     scalars work; anything that is not a finite real number is refused."""
-    np = pytest.importorskip("numpy")
     inp, nat, h0, dht, cu = make_case(1, 20, 1, 1, 16, 16, ("g",), 16, torch.float32)
     ref = run_backward({**inp, "scale": 1.0}, nat, h0, dht, cu, 16)
     for scale in (1, np.float32(1.0), np.int64(1)):
