@@ -19,8 +19,6 @@ programs; ``auto_pieces`` decides, and ``chunk_fwd_h(..., pieces=P)`` lets the c
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -140,6 +138,25 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
     return S
 
 
+def _packed(B: int, T: int, x):
+    """A dense [B, T, ...] tensor as one packed row [1, B·T, ...] (the same memory)."""
+    return None if x is None else x.reshape(1, B * T, *x.shape[2:])
+
+
+def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
+    """The piece plan on the device and the first pass's outputs: (cu_pieces, seq_pieces,
+    NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32, decay_v [NP, H, V] fp32 or None)."""
+    cu_host, seq_host = plan(lengths, BS, pieces)
+    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=dev)
+    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=dev)
+    NP = len(cu_host) - 1
+    state = (V, K) if state_v_first else (K, V)
+    F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
+    decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
+    decay_v = torch.empty(NP, H, V, dtype=torch.float32, device=dev) if use_gv else None
+    return cu_pieces, seq_pieces, NP, F, decay_k, decay_v
+
+
 def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, state_v_first, pieces,
                       config=None):
     """The forward's three steps (module docstring) for sequences of the given lengths, packed
@@ -149,24 +166,16 @@ def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, s
 
     B, T, H, K = k.shape
     V = v.shape[-1]
-    flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
-    k, v, g, gk, gv = flat(k), flat(v), flat(g), flat(gk), flat(gv)
-    cu_host, seq_host = plan(lengths, BS, pieces)
-    dev = k.device
-    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=dev)
-    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=dev)
-    NP = len(cu_host) - 1
-    state = (V, K) if state_v_first else (K, V)
-    F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
-    decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
-    decay_v = torch.empty(NP, H, V, dtype=torch.float32, device=dev) if gv is not None else None
+    k, v, g, gk, gv = (_packed(B, T, x) for x in (k, v, g, gk, gv))
+    cu_pieces, seq_pieces, NP, F, decay_k, decay_v = _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first,
+                                                                    gv is not None, k.device)
     # 1. each piece from zero: its contribution F_p and its total decay D_p
     _launch_forward(k, v, None, g, g_gamma, gk, gv, None, F, cu_pieces, None, NP, BT, BS,
                     state_v_first, config, decay_k=decay_k, decay_v=decay_v)
     # 2. the true state entering each piece (and ht)
     S = scan(F, decay_k, decay_v, h0, ht, seq_pieces, N, H, K, V, False, state_v_first)
     # 3. each piece again from its true initial state, storing its states in place
-    _launch_forward(k, v, h.view(1, -1, H, *state), g, g_gamma, gk, gv, S, None, cu_pieces,
+    _launch_forward(k, v, h.view(1, -1, *h.shape[2:]), g, g_gamma, gk, gv, S, None, cu_pieces,
                     prepare_chunk_offsets(cu_pieces, BS), NP, BT, BS, state_v_first, config)
 
 
@@ -179,23 +188,15 @@ def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, 
     from .backward import _launch_backward
     from .gates import prepare_chunk_offsets
 
-    B, T, HQ, _ = q.shape
-    flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
-    q, do, g, gk, gv = flat(q), flat(do), flat(g), flat(gk), flat(gv)
-    cu_host, seq_host = plan(lengths, BS, pieces)
-    dev = q.device
-    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=dev)
-    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=dev)
-    NP = len(cu_host) - 1
-    state = (V, K) if state_v_first else (K, V)
-    Q = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
-    decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
-    decay_v = torch.empty(NP, H, V, dtype=torch.float32, device=dev) if gv is not None else None
+    B, T = q.shape[:2]
+    q, do, g, gk, gv = (_packed(B, T, x) for x in (q, do, g, gk, gv))
+    cu_pieces, seq_pieces, NP, Q, decay_k, decay_v = _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first,
+                                                                    gv is not None, q.device)
     # 1. each piece from a zero gradient at its end
     _launch_backward(q, do, None, g, g_gamma, gk, gv, None, Q, cu_pieces, None, scale, NP, H, K, V, BT, BS,
                      state_v_first, config, decay_k=decay_k, decay_v=decay_v)
     # 2. the true gradient leaving each piece (and dh0), scanning from the last piece
     dS = scan(Q, decay_k, decay_v, dht, dh0, seq_pieces, N, H, K, V, True, state_v_first)
     # 3. each piece again from its true gradient, storing dh in place
-    _launch_backward(q, do, dh.view(1, -1, H, *state), g, g_gamma, gk, gv, dS, None, cu_pieces,
+    _launch_backward(q, do, dh.view(1, -1, *dh.shape[2:]), g, g_gamma, gk, gv, dS, None, cu_pieces,
                      prepare_chunk_offsets(cu_pieces, BS), scale, NP, H, K, V, BT, BS, state_v_first, config)
