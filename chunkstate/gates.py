@@ -100,9 +100,9 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     first[1:] = ids[1:] != ids[:-1]
     start = torch.cummax(torch.where(first, torch.arange(T, device=gate.device), 0), 0).values
     pos = torch.arange(T, device=gate.device) - start  # [T] position inside its chunk
-    n_chunks = int(ids[-1]) + 1 if T > 0 else 0
+    n_chunks, width = (int(ids[-1]) + 1, int(pos.max()) + 1) if T > 0 else (0, 0)  # width <= chunk_size
     x = gate.to(torch.float64)
-    padded = x.new_zeros(x.shape[0], n_chunks, chunk_size, *x.shape[2:])
+    padded = x.new_zeros(x.shape[0], n_chunks, width, *x.shape[2:])
     padded[:, ids, pos] = x
     if reverse:
         padded = padded.flip(2).cumsum(2).flip(2)
