@@ -29,7 +29,11 @@ ALL_CONFIGS = [_config(BK, BV, w, s)
                for BK in (32, 64, 128) for BV in (32, 64, 128)
                for w in (2, 4, 8) for s in (2, 3, 4, 5)
                if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)
-               and (s < 5 or (w >= 4 and BK * BV <= 64 * 64))]
+               # 5 stages only for tiles up to 64×64 (the low-occupancy candidates). 128×32 with 5
+               # stages failed the every-config test on the H200 (bf16, gates g and gk; the cause
+               # was not captured): by count its 4 prefetched stages of k, v, g, gk alone hold
+               # ~210 KB of Hopper's 227 KB of shared memory.
+               and (s < 5 or (w >= 4 and BK <= 64 and BV <= 64))]
 
 # The interpreter's single config: one tile covers K, V <= 64 (few programs: fast on CPU).
 INTERPRETER_CONFIG = _config(64, 64, 4, 1)

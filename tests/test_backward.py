@@ -309,7 +309,8 @@ def test_round_trip_loss_on_forward_split_states(gate_names, G, cu, BT, BS):
     split_seq = torch.zeros(W.shape[1], dtype=torch.long).index_put_((split,), seq)  # sequence of each slot
     L = torch.zeros(N, H, dtype=torch.float64).index_add_(0, split_seq, (h[0].double() * W[0]).sum((2, 3))) \
         + (ht.double() * dht.double()).sum((2, 3))
-    check_close(L, (dh0.double() * h0.double()).sum((2, 3)), "L on the forward's states vs <dh0, h0>", 1e-5)
+    check_close(L, (dh0.double() * h0.double()).sum((2, 3)), "L on the forward's states vs <dh0, h0>",
+                TOL[torch.float32])  # 1e-5 under the interpreter; tf32 dots on a GPU
 
 
 @pytest.mark.parametrize("gate_names,G,cu,BT", [
@@ -346,7 +347,8 @@ def test_round_trip_adjoint_of_the_forward(gate_names, G, cu, BT):
     do = inp["do"].double().view(B, T, H, G, V) * torch.exp2(G_do)[:, :, :, None]
     o_do = torch.einsum("bthgk,bthkv,bthgv->bth", q, h.double()[:, chunk], do)  # Σ_j ⟨o_tj, do_tj⟩
     L = per_sequence(o_do, seq, cu_t) + (ht.double() * dht.double()).sum((2, 3))
-    check_close((dh0.double() * h0.double()).sum((2, 3)), L, "<dh0, h0> vs L on the forward's states", 1e-5)
+    check_close((dh0.double() * h0.double()).sum((2, 3)), L, "<dh0, h0> vs L on the forward's states",
+                TOL[torch.float32])  # 1e-5 under the interpreter; tf32 dots on a GPU
 
 
 # ---------------------------------------------------------------------------------------------
