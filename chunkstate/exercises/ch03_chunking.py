@@ -47,13 +47,6 @@ def chunk_step(h, q, k, v, gk, scale):
     return scale * (o_inter + o_intra), h_next
 
 
-def _expect(out, ref, what, tol):
-    """``check_close`` with the shape compared first, so a wrong shape names what it belongs to."""
-    if tuple(out.shape) != tuple(ref.shape):
-        raise AssertionError(f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
-    check_close(out, ref, what, tol=tol)
-
-
 def _pair(out, name):
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
         raise AssertionError(f"{name} must return a tuple (o, h_next) of two tensors, got {type(out).__name__}")
@@ -80,10 +73,10 @@ def check_chunk_step(fn=None) -> None:
         h = h0.clone()
         for n, s in enumerate(range(0, T, BT)):
             e = min(s + BT, T)
-            _expect(h, h_ref[:, n], f"{name}: state entering chunk {n} ({shape})", tol=1e-5)
+            check_close(h, h_ref[:, n], f"{name}: state entering chunk {n} ({shape})", tol=1e-5)
             o_c, h = _pair(fn(h.clone(), q[:, s:e].clone(), k[:, s:e].clone(), v[:, s:e].clone(),
                               gk[:, s:e].clone(), scale), name)
-            _expect(o_c, o_ref[:, s:e], f"{name}: outputs of chunk {n}, tokens {s}..{e - 1} ({shape})",
+            check_close(o_c, o_ref[:, s:e], f"{name}: outputs of chunk {n}, tokens {s}..{e - 1} ({shape})",
                         tol=1e-5)
-        _expect(h, ht_ref, f"{name}: state after the last chunk ({shape})", tol=1e-5)
+        check_close(h, ht_ref, f"{name}: state after the last chunk ({shape})", tol=1e-5)
     print(f"{name} reproduces the token loop chunk by chunk on {len(CASES)} shapes")
