@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from .env import INTERPRET
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (‖·‖ the Frobenius norm); 0 when both are zero.
@@ -48,3 +50,19 @@ def nan_poisoned_empty():
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+def state_tolerance(dtype: torch.dtype) -> float:
+    """Bound on ‖h − h_ref‖/‖h_ref‖ for states a kernel computes from ``dtype`` inputs.
+
+    fp32: the interpreter's ``tl.dot`` is exact fp32 (rounding only: 1e-5); a GPU's ``tl.dot`` on
+    fp32 runs in tf32 (10 mantissa bits, each input off by up to 2^-10 relative): 5e-3.
+    fp16 (inputs and stored states; products exact, sums in fp32): 5e-3. bf16 (GPU only): 2e-2.
+    """
+    if dtype == torch.float32:
+        return 1e-5 if INTERPRET else 5e-3
+    if dtype == torch.float16:
+        return 5e-3
+    if dtype == torch.bfloat16:
+        return 2e-2
+    raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")

@@ -9,8 +9,8 @@
    contiguous, on ``chunkstate.DEVICE``), K and V powers of two >= 16, ``chunk_size`` a power of
    two >= 16. Checked against :func:`chunkstate.reference.chunked_states`.
 
-``state_tolerance(dtype)`` is the error bound the chapters use when a kernel's states are
-compared with the float64 reference.
+The chapters compare a kernel's states with the float64 reference within
+``chunkstate.testing.state_tolerance(dtype)``.
 """
 from __future__ import annotations
 
@@ -20,25 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..env import DEVICE, INTERPRET
+from ..env import DEVICE
 from ..reference import chunked_states
-from ..testing import check_close, nan_poisoned_empty
-
-
-def state_tolerance(dtype: torch.dtype) -> float:
-    """Bound on ‖h − h_ref‖/‖h_ref‖ for states a kernel computes from ``dtype`` inputs.
-
-    fp32: the interpreter's ``tl.dot`` is exact fp32 (rounding only: 1e-5); a GPU's ``tl.dot`` on
-    fp32 runs in tf32 (10 mantissa bits, each input off by up to 2^-10 relative): 5e-3.
-    fp16 (inputs and stored states; products exact, sums in fp32): 5e-3. bf16 (GPU only): 2e-2.
-    """
-    if dtype == torch.float32:
-        return 1e-5 if INTERPRET else 5e-3
-    if dtype == torch.float16:
-        return 5e-3
-    if dtype == torch.bfloat16:
-        return 2e-2
-    raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+from ..testing import check_close, nan_poisoned_empty, state_tolerance
 
 
 # ---- 1. offsets -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ..env import DEVICE
 from ..gates import chunk_local_cumsum
 from ..reference import chunked_states
 from ..testing import check_close, nan_poisoned_empty
-from .ch04_first_kernel import state_tolerance
+from ..testing import state_tolerance
 
 
 # ---- 1. the flat grid -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ..forward import chunk_fwd_h
 from ..gates import prepare_chunk_offsets
 from ..reference import chunked_states
 from ..testing import check_close
-from .ch04_first_kernel import state_tolerance
+from ..testing import state_tolerance
 
 
 # ---- 1. packing -------------------------------------------------------------------------------

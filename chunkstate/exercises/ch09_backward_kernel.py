@@ -29,7 +29,7 @@ from ..env import DEVICE
 from ..gates import chunk_local_cumsum
 from ..reference import state_grads
 from ..testing import check_close, nan_poisoned_empty
-from .ch04_first_kernel import state_tolerance
+from ..testing import state_tolerance
 
 
 # ---- 1. where the backward stores ---------------------------------------------------------------
