@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import _tuning, _validate
 from . import pieces as _pieces
-from .forward import _load_state, _store_state
+from .forward import _load_state, _program_tile, _sequence, _store_state
 from .gates import prepare_chunk_offsets
 
 
@@ -69,24 +69,9 @@ def chunk_bwd_kernel_dh(
     STORE_STATES: tl.constexpr = True,  # False: only dh0 (and decays) — the pieces' first pass
     STORE_DECAY: tl.constexpr = False,
 ):
-    # ---- which tile of which (sequence, KV head): tiles of one head are neighbours (shared q, do in L2)
-    NK: tl.constexpr = (K + BK - 1) // BK
-    NV: tl.constexpr = (V + BV - 1) // BV
     HQ: tl.constexpr = H * NG
-    pid = tl.program_id(0).to(tl.int64)
-    i_nh = pid // (NK * NV)
-    i_k = ((pid // NV) % NK).to(tl.int32)
-    i_v = (pid % NV).to(tl.int32)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = 0
-        if STORE_STATES:
-            boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BS)
+    i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
+    bos, T, boh = _sequence(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
 

@@ -42,6 +42,36 @@ def _load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl
     return b.to(tl.float32)
 
 
+@triton.jit
+def _program_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Which [BK, BV] tile of which (sequence, head) this program owns, from a flat 1-D grid (no
+    65,535 limit): the tiles of one head are neighbours, so they share k, v (q, do) in L2.
+    Returns (i_nh, i_n, i_h) as int64 and (i_k, i_v) as int32."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_nh = pid // (NK * NV)
+    i_k = ((pid // NV) % NK).to(tl.int32)
+    i_v = (pid % NV).to(tl.int32)
+    return i_nh, i_nh // H, i_nh % H, i_k, i_v
+
+
+@triton.jit
+def _sequence(i_n, T, cu_seqlens, split_offsets, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
+              STORE_STATES: tl.constexpr):
+    """Sequence i_n's first token ``bos`` (int64), its length, and its first split slot ``boh``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = bos * 0  # an int64 like the other branch's; only read when states are stored
+        if STORE_STATES:
+            boh = tl.load(split_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BS)
+    return bos, T, boh
+
+
 @triton.jit(do_not_specialize=["T", "GRID"])
 def chunk_fwd_kernel_h(
     k,  # [B, T, H, K]
@@ -77,23 +107,8 @@ def chunk_fwd_kernel_h(
     STORE_STATES: tl.constexpr = True,  # False: only ht (and decays) — the pieces' first pass
     STORE_DECAY: tl.constexpr = False,
 ):
-    # ---- which tile of which (sequence, head): tiles of one head are neighbours (shared k, v in L2)
-    NK: tl.constexpr = (K + BK - 1) // BK
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_nh = pid // (NK * NV)
-    i_k = ((pid // NV) % NK).to(tl.int32)
-    i_v = (pid % NV).to(tl.int32)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = 0
-        if STORE_STATES:
-            boh = tl.load(split_offsets + i_n).to(tl.int64)  # first split slot of this sequence
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BS)
+    i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)
+    bos, T, boh = _sequence(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
 

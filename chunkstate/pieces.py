@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import _tuning
 from .env import INTERPRET
-from .forward import _load_state, _store_state
+from .forward import _load_state, _program_tile, _store_state
 
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 
@@ -95,13 +95,7 @@ def piece_scan_kernel(
     REVERSE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
 ):
-    NK: tl.constexpr = (K + BK - 1) // BK
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_nh = pid // (NK * NV)
-    i_k = ((pid // NV) % NK).to(tl.int32)
-    i_v = (pid % NV).to(tl.int32)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)
     p_first = tl.load(seq_pieces + i_n).to(tl.int64)
     n_pieces = tl.load(seq_pieces + i_n + 1).to(tl.int32) - p_first.to(tl.int32)
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]
