@@ -377,3 +377,26 @@ def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
         assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1], [32, 32, 4, 1]]
         assert all(t["ms"] == 1.0 and "error" not in t for t in s["timings"]) and len(s["top"]) == 2
     assert "BK= 64 BV= 64 warps=4 stages=1" in capsys.readouterr().out
+
+
+def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
+    """Where chunkstate cuts a case into pieces, the same call is timed with ``pieces=1`` too, and
+    the table shows both, so each run says what the pieces bought or cost."""
+    calls = []
+
+    def fake_timed(lib, jit, case, inp, **extra):
+        calls.append(extra)
+        return {"first_call_s": 1.0, "compiled": 0, "ms": 2.0 if extra else 1.0}, None
+
+    monkeypatch.setattr(bench, "_timed", fake_timed)
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(chunk_bwd_dh=object()), ours_jit=[], fla=None)
+    case = Case(Shape(1, 131072, 4), "fwd")
+    assert bench.case_pieces(case) == 17
+    r = bench.run_case(case, None, libs, copy_tbps=4.0)
+    assert calls == [{}, {"pieces": 1}]
+    assert r["ours_one_pass"]["x_floor"] == pytest.approx(2 * r["ours"]["x_floor"])
+    assert "17 (2.000)" in bench.format_table([r])
+
+    calls.clear()
+    r = bench.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
+    assert calls == [{}] and "ours_one_pass" not in r  # one pass already: nothing more to time
