@@ -386,7 +386,9 @@ def chunk_gla(
 def bench_against_fla(B: int = 8, T: int = 4096, H: int = 16, K: int = 128, V: int = 128,
                       dtype: torch.dtype = torch.bfloat16, gate: str = "gk", chunk_size: int = 64) -> dict:
     """Median times (ms, ``triton.testing.do_bench``) of the forward and of forward+backward of
-    :func:`chunk_gla` and of fla's op on the same inputs, printed and returned.
+    :func:`chunk_gla` and of fla's op on the same inputs, and each one's first-call seconds
+    (``"fwd first s"``), printed as they are measured (fla's first call can take minutes) and
+    returned.
 
     ``gate="gk"`` compares with ``fla.ops.gla.chunk_gla`` (per-key gate), ``gate="g"`` with
     ``fla.ops.simple_gla.chunk_simple_gla`` (scalar gate). Gates are ``logsigmoid`` of N(0, 1)
@@ -424,23 +426,30 @@ def bench_against_fla(B: int = 8, T: int = 4096, H: int = 16, K: int = 128, V: i
     except ImportError as e:
         theirs = f"fla not importable ({e})"
 
+    import time
+
+    print(f"chunk_gla B{B} T{T} H{H} K{K} V{V} {str(dtype).replace('torch.', '')} gate={gate} BT={chunk_size} "
+          "(median ms; 'first': the first call's seconds, compiling and autotuning included):", flush=True)
     results = {}
     for name, f in (("chunkstate", ours), ("fla", theirs)):
         if isinstance(f, str):
             results[name] = f
+            print(f"  {name:10s} {f}", flush=True)
             continue
         results[name] = {}
         for what, fn in (("fwd", f), ("fwd+bwd", lambda: f().backward(do))):
             try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
                 results[name][what] = do_bench(fn, grad_to_none=leaves, return_mode="median")
+                results[name][what + " first s"] = first
+                print(f"  {name:10s} {what:8s} {results[name][what]:.3f} ms (first {first:.1f} s)", flush=True)
             except RuntimeError as e:
                 if name == "chunkstate":
                     raise
                 results[name][what] = f"fla raised: {e}"
-    print(f"chunk_gla B{B} T{T} H{H} K{K} V{V} {str(dtype).replace('torch.', '')} gate={gate} BT={chunk_size} "
-          "(median ms):")
-    for name, r in results.items():
-        line = r if isinstance(r, str) else "  ".join(
-            f"{what} {t:.3f}" if isinstance(t, float) else f"{what}: {t}" for what, t in r.items())
-        print(f"  {name:10s} {line}")
+                print(f"  {name:10s} {what:8s} fla raised: {e}", flush=True)
     return results
