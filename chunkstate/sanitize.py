@@ -22,7 +22,7 @@ three tools (not yet timed on the H200)::
 
     # one command: a plain run (warms Triton's cache), then the three tools in turn, one summary
     # line each; non-zero exit status if any tool reports an error or any check fails
-    python -m chunkstate.sanitize --all-tools [--quick] [--timeout 600] [--tools memcheck,initcheck]
+    python -m chunkstate.sanitize --all-tools [--quick] [--parallel] [--timeout 600] [--tools memcheck,initcheck]
 
     # or each tool by hand (what --all-tools runs):
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
@@ -374,8 +374,9 @@ def _summary(name: str, rc, out: str, secs: float, timeout: float, log_path: str
     return ok, " | ".join(parts)
 
 
-def all_tools(tools, quick: bool, timeout: float, log_dir: str | None) -> int:
-    """A plain run (warms Triton's on-disk cache, checks results), then each tool in turn."""
+def all_tools(tools, quick: bool, timeout: float, log_dir: str | None, parallel: bool = False) -> int:
+    """A plain run (warms Triton's on-disk cache, checks results), then each tool in turn, or,
+    with ``parallel``, all tools at once (each in its own process, on the same GPU)."""
     if DEVICE != "cuda":
         print("--all-tools needs a CUDA GPU and compute-sanitizer; without one run "
               "`python -m chunkstate.sanitize --quick --no-sanitizer`", file=sys.stderr)
@@ -388,17 +389,25 @@ def all_tools(tools, quick: bool, timeout: float, log_dir: str | None) -> int:
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     plain = [sys.executable, "-m", "chunkstate.sanitize", "--no-sanitizer"] + (["--quick"] if quick else [])
-    runs = [("plain", plain)] + [(tool, sanitizer_command(exe, tool, quick)) for tool in tools]
-    all_ok = True
-    for name, cmd in runs:
+    tool_runs = [(tool, sanitizer_command(exe, tool, quick)) for tool in tools]
+
+    def run(name, cmd) -> bool:
         log_path = os.path.join(log_dir, f"{name}.log")
         print(f"running {name}: {' '.join(cmd)}", flush=True)
         rc, out, secs = _run_bounded(cmd, env, timeout, log_path)
         ok, line = _summary(name, rc, out, secs, timeout, log_path)
-        all_ok &= ok
-        print(line, flush=True)
-        if not ok:
-            print("\n".join("    " + s for s in out.splitlines()[-25:]), flush=True)
+        print(line + ("" if ok else "\n" + "\n".join("    " + s for s in out.splitlines()[-25:])), flush=True)
+        return ok
+
+    all_ok = run("plain", plain)  # compiles every kernel once: the tools then load them from disk
+    if parallel and len(tool_runs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(tool_runs)) as pool:
+            all_ok &= all(list(pool.map(lambda r: run(*r), tool_runs)))
+    else:
+        for name, cmd in tool_runs:
+            all_ok &= run(name, cmd)
     return 0 if all_ok else 1
 
 
@@ -415,6 +424,8 @@ def main(argv=None) -> int:
                    help="run compute-sanitizer memcheck, racecheck and initcheck over this workload")
     p.add_argument("--tools", default=",".join(TOOLS), help="with --all-tools: which tools (comma-separated)")
     p.add_argument("--timeout", type=float, default=600, help="with --all-tools: seconds per tool run")
+    p.add_argument("--parallel", action="store_true",
+                   help="with --all-tools: run the tools at once after the plain run (wall time of the slowest)")
     p.add_argument("--log-dir", default=None, help="with --all-tools: where the full logs go (default: a temp dir)")
     p.add_argument("--list", action="store_true", help="print the cases and their configs, run nothing")
     p.add_argument("--seed", type=int, default=None, help="seed the inputs (default: fresh every run, printed)")
@@ -431,7 +442,7 @@ def main(argv=None) -> int:
         bad = [t for t in tools if t not in TOOLS]
         if bad:
             p.error(f"--tools takes {', '.join(TOOLS)}; got {bad}")
-        return all_tools(tools, args.quick, args.timeout, args.log_dir)
+        return all_tools(tools, args.quick, args.timeout, args.log_dir, args.parallel)
     if DEVICE != "cuda" and not args.no_sanitizer:
         p.error("no CUDA GPU here, so no compute-sanitizer: pass --no-sanitizer to run the checks under "
                 "Triton's interpreter (add --quick for a short run)")

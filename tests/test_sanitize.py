@@ -1,0 +1,89 @@
+"""``python -m chunkstate.sanitize --all-tools``: the driver that runs the workload plainly and
+under each compute-sanitizer tool. On CPU the tool runs are faked (``_run_bounded``), so what is
+tested is the driver: the order, the parallel mode, and that any failure, report or timeout fails
+the whole run. The workload itself runs under the interpreter in ``test_workload_on_cpu``."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import chunkstate
+from chunkstate import sanitize
+
+OK_OUTPUT = "RESULT: 12 checks, 0 failures on cpu\n========= ERROR SUMMARY: 0 errors\n"
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """Every tool run recorded as (name, start, end); outputs by name (default: clean)."""
+    runs, outputs, lock = [], {}, threading.Lock()
+
+    def fake_run_bounded(cmd, env, timeout, log_path):
+        name = log_path.rsplit("/", 1)[-1].removesuffix(".log")
+        t0 = time.perf_counter()
+        time.sleep(0.3)
+        with lock:
+            runs.append((name, t0, time.perf_counter(), cmd))
+        rc, out = outputs.get(name, (0, OK_OUTPUT))
+        return rc, out, 0.3
+
+    monkeypatch.setattr(sanitize, "DEVICE", "cuda")
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: "/opt/cuda/bin/compute-sanitizer")
+    monkeypatch.setattr(sanitize, "_run_bounded", fake_run_bounded)
+    return runs, outputs
+
+
+def test_tools_in_turn(fake_runs, tmp_path, capsys):
+    runs, _ = fake_runs
+    assert sanitize.all_tools(list(sanitize.TOOLS), True, 60, str(tmp_path)) == 0
+    assert [r[0] for r in runs] == ["plain", "memcheck", "racecheck", "initcheck"]
+    assert all(a[2] <= b[1] for a, b in zip(runs, runs[1:]))  # one after another
+    plain, *tools = [r[3] for r in runs]
+    assert "--no-sanitizer" in plain and "--quick" in plain
+    assert all(cmd[0].endswith("compute-sanitizer") and cmd[cmd.index("--tool") + 1] == name
+               for (name, *_), cmd in zip(runs[1:], tools))
+    assert "--no-poison" in tools[2] and "--no-poison" not in tools[0]  # initcheck must see unwritten memory
+    assert capsys.readouterr().out.count(" OK ") == 4
+
+
+def test_tools_at_once_after_the_plain_run(fake_runs, tmp_path):
+    runs, _ = fake_runs
+    assert sanitize.all_tools(list(sanitize.TOOLS), False, 60, str(tmp_path), parallel=True) == 0
+    by_name = {r[0]: r for r in runs}
+    assert set(by_name) == {"plain", *sanitize.TOOLS}
+    plain_end = by_name["plain"][2]
+    tools = [by_name[t] for t in sanitize.TOOLS]
+    assert all(t[1] >= plain_end for t in tools)  # the plain run warms the cache first
+    assert max(t[1] for t in tools) < min(t[2] for t in tools)  # and then all tools overlap
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("what", ["sanitizer report", "failed check", "timeout", "no result line"])
+def test_any_problem_fails_the_run(what, parallel, fake_runs, tmp_path, capsys):
+    _, outputs = fake_runs
+    outputs["racecheck"] = {
+        "sanitizer report": (1, OK_OUTPUT.replace("0 errors", "3 errors")),
+        "failed check": (1, "RESULT: 12 checks, 1 failures on cuda\n"),
+        "timeout": (None, "RESULT line never printed"),
+        "no result line": (0, "Traceback (most recent call last): ...\n"),
+    }[what]
+    assert sanitize.all_tools(list(sanitize.TOOLS), True, 60, str(tmp_path), parallel=parallel) == 1
+    out = capsys.readouterr().out
+    assert out.count(" OK ") == 3 and ("TIMEOUT" if what == "timeout" else "FAILED") in out
+
+
+def test_without_a_gpu_it_says_what_to_run(monkeypatch, capsys):
+    monkeypatch.setattr(sanitize, "DEVICE", "cpu")
+    assert sanitize.all_tools(list(sanitize.TOOLS), True, 60, None) == 2
+    assert "--no-sanitizer" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(chunkstate.DEVICE == "cuda", reason="on a GPU this workload runs under compute-sanitizer: "
+                    "python -m chunkstate.sanitize --all-tools (about 90 s of compiling, too long for the suite)")
+def test_workload_on_cpu(capsys):
+    """The sanitizer's own workload, quick, under the interpreter: every case passes its checks."""
+    assert sanitize.main(["--quick", "--no-sanitizer"]) == 0
+    out = capsys.readouterr().out
+    assert "RESULT:" in out and " 0 failures" in out
