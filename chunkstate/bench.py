@@ -508,29 +508,29 @@ def _unwrap(obj, cls):
     return None
 
 
-def find_autotuners(*modules) -> list:
-    """Every ``triton.runtime.Autotuner`` reachable from the modules' globals (through wrappers)."""
-    from triton.runtime.autotuner import Autotuner
-
+def _find(modules, cls) -> list:
+    """Every distinct instance of ``cls`` reachable from the modules' globals (through wrappers)."""
     found = {}
     for module in modules:
         for obj in vars(module).values():
-            at = _unwrap(obj, Autotuner)
-            if at is not None:
-                found[id(at)] = at
+            x = _unwrap(obj, cls)
+            if x is not None:
+                found[id(x)] = x
     return list(found.values())
+
+
+def find_autotuners(*modules) -> list:
+    """Every ``triton.runtime.Autotuner`` of the modules."""
+    from triton.runtime.autotuner import Autotuner
+
+    return _find(modules, Autotuner)
 
 
 def find_jit_functions(*modules) -> list:
+    """Every ``triton.JITFunction`` of the modules (the kernels under any autotune wrapper)."""
     from triton.runtime.jit import JITFunction
 
-    found = {}
-    for module in modules:
-        for obj in vars(module).values():
-            fn = _unwrap(obj, JITFunction)
-            if fn is not None:
-                found[id(fn)] = fn
-    return list(found.values())
+    return _find(modules, JITFunction)
 
 
 def n_compiled(jit_functions) -> int | None:

@@ -11,9 +11,13 @@ from pathlib import Path
 FIGURES_DIR = Path(__file__).resolve().parents[2] / "figures"
 
 
-def save(fig, name: str) -> Path:
-    """Save a matplotlib figure as ``figures/<name>`` (PNG, no timestamp metadata); return the path."""
-    FIGURES_DIR.mkdir(exist_ok=True)
-    path = FIGURES_DIR / name
+def save(fig, name: str | Path) -> Path:
+    """Write a matplotlib figure as PNG and close it; return the path. ``name``: a file name under
+    ``figures/``, or an absolute path. No timestamp metadata, so the same figure gives the same bytes."""
+    import matplotlib.pyplot as plt
+
+    path = FIGURES_DIR / name  # an absolute ``name`` stays itself
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
     return path

@@ -193,16 +193,10 @@ def draw_reuse(sweep: dict, K: int = 128, V: int = 128):
 
 def main() -> list:
     """Redraw ``figures/autotune_landscape.png`` and ``figures/autotune_reuse.png`` from the sweep."""
-    import matplotlib.pyplot as plt
-
     path = FIGURES_DIR / SWEEP_FILE
     if not path.is_file():
         return []
     sweep = load_sweep(path)
-    paths = []
-    for draw, name in [(draw_landscape, "autotune_landscape.png"), (draw_reuse, "autotune_reuse.png")]:
-        fig = draw(sweep)
-        paths.append(save(fig, name))
-        plt.close(fig)
-    return paths
+    return [save(draw(sweep), name)
+            for draw, name in ((draw_landscape, "autotune_landscape.png"), (draw_reuse, "autotune_reuse.png"))]
 

@@ -78,9 +78,4 @@ def draw(T: int = 160, BT: int = 32, BS: int = 64):
 
 
 def main():
-    import matplotlib.pyplot as plt
-
-    fig = draw()
-    path = save(fig, "backward_scan.png")
-    plt.close(fig)
-    return [path]
+    return [save(draw(), "backward_scan.png")]

@@ -61,9 +61,4 @@ def draw(T: int = 200, BT: int = 64):
 
 
 def main():
-    import matplotlib.pyplot as plt
-
-    fig = draw()
-    path = save(fig, "chunking.png")
-    plt.close(fig)
-    return [path]
+    return [save(draw(), "chunking.png")]

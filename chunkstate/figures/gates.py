@@ -86,10 +86,4 @@ def draw_cumsum(T: int = 4096, BT: int = 64):
 
 
 def main():
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for fig, name in ((draw_decays(), "gates_decays.png"), (draw_cumsum(), "gates_cumsum.png")):
-        paths.append(save(fig, name))
-        plt.close(fig)
-    return paths
+    return [save(draw_decays(), "gates_decays.png"), save(draw_cumsum(), "gates_cumsum.png")]

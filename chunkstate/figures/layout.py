@@ -146,11 +146,6 @@ def draw_varlen_layout(lens=(5, 0, 11, 1, 8), BT: int = 4):
 
 def main() -> list:
     """Draw and save this module's figures; return their paths."""
-    paths = []
-    for draw, name in [(draw_time_major_layout, "layout_time_major.png"),
-                       (draw_state_tiles, "layout_state_tiles.png"),
-                       (draw_varlen_layout, "layout_varlen.png")]:
-        fig = draw()
-        paths.append(save(fig, name))
-        plt.close(fig)
-    return paths
+    return [save(draw(), name) for draw, name in ((draw_time_major_layout, "layout_time_major.png"),
+                                                  (draw_state_tiles, "layout_state_tiles.png"),
+                                                  (draw_varlen_layout, "layout_varlen.png"))]

@@ -76,9 +76,4 @@ def draw(K: int = 128, V: int = 128, model: dict = MODEL_7B):
 
 
 def main():
-    import matplotlib.pyplot as plt
-
-    fig = draw()
-    path = save(fig, "recurrence_cost.png")
-    plt.close(fig)
-    return [path]
+    return [save(draw(), "recurrence_cost.png")]

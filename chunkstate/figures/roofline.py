@@ -170,12 +170,6 @@ def draw_occupancy(sweep: dict):
 
 
 def main():
-    import matplotlib.pyplot as plt
-
     sweep = load_sweep()
-    paths = []
-    for draw, name in ((draw_roofline, "roofline.png"), (draw_occupancy, "occupancy_h200.png")):
-        fig = draw(sweep)
-        paths.append(save(fig, name))
-        plt.close(fig)
-    return paths
+    return [save(draw(sweep), name) for draw, name in ((draw_roofline, "roofline.png"),
+                                                       (draw_occupancy, "occupancy_h200.png"))]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import FIGURES_DIR
+from . import FIGURES_DIR, save
 
 OURS_COLOR, FLA_COLOR = "#4C72B0", "#DD8452"
 
@@ -78,14 +78,7 @@ def draw(report: dict):
 
 def save_png(report: dict, path) -> Path:
     """Draw ``report`` and write it to ``path`` (PNG, no timestamp metadata: same report, same bytes)."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = draw(report)
-    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    return path
+    return save(draw(report), Path(path).resolve())
 
 
 def main():
