@@ -9,10 +9,6 @@ from chunkstate.exercises import ch00_overview as ex
 from chunkstate.gates import prepare_chunk_offsets
 
 
-def test_shipped_solution_passes():
-    ex.check_state_shapes()
-
-
 def test_another_right_answer_passes():
     def via_offsets(B, T, H, K, V, chunk_size, split_size=None, cu_seqlens=None):
         BS = split_size or chunk_size
@@ -69,11 +65,3 @@ def _float_sizes(B, T, H, K, V, chunk_size, split_size=None, cu_seqlens=None):
 def test_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_state_shapes(wrong)
-
-
-def test_stub_error_propagates():
-    def stub(B, T, H, K, V, chunk_size, split_size=None, cu_seqlens=None):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_state_shapes(stub)

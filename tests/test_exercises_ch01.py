@@ -5,10 +5,6 @@ import torch
 from chunkstate.exercises import ch01_recurrence as ex
 
 
-def test_shipped_solution_passes():
-    ex.check_masked_outputs_with_state()
-
-
 def _strict_mask(q, k, v, h0, scale):  # j < i: each token forgets itself
     T = q.shape[1]
     m = torch.ones(T, T, dtype=torch.bool).tril(-1)
@@ -57,11 +53,3 @@ def _transposed_o(q, k, v, h0, scale):  # [B, H, T, V] instead of [B, T, H, V]
 def test_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_masked_outputs_with_state(wrong)
-
-
-def test_stub_error_propagates():
-    def stub(q, k, v, h0, scale):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_masked_outputs_with_state(stub)

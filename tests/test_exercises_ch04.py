@@ -7,10 +7,6 @@ from chunkstate.exercises import ch04_first_kernel as ex
 
 # ---- token_offset ----
 
-def test_offset_solution_passes():
-    ex.check_token_offset()
-
-
 def _head_first(b, t, i_h, d, T, H, D):  # the [B, H, T, D] layout
     return ((b * H + i_h) * T + t) * D + d
 
@@ -29,19 +25,7 @@ def test_offset_wrong_answer_rejected(wrong):
         ex.check_token_offset(wrong)
 
 
-def test_offset_stub_error_propagates():
-    def stub(b, t, i_h, d, T, H, D):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_token_offset(stub)
-
-
 # ---- final_state ----
-
-def test_final_state_solution_passes():
-    ex.check_final_state()
-
 
 def _last_full_chunk_only(k, v, chunk_size):  # drops the ragged last chunk
     T = k.shape[1]
@@ -69,11 +53,3 @@ def _not_a_tensor(k, v, chunk_size):
 def test_final_state_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_final_state(wrong)
-
-
-def test_final_state_stub_error_propagates():
-    def stub(k, v, chunk_size):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_final_state(stub)

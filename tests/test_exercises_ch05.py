@@ -8,10 +8,6 @@ from chunkstate.exercises import ch05_tiles_and_gates as ex
 
 # ---- program_id_of ----
 
-def test_program_id_solution_passes():
-    ex.check_program_id_of()
-
-
 def _k_fastest(i_n, i_h, i_k, i_v, H, NK, NV):  # i_k varies fastest: another order than the decode
     return ((i_n * H + i_h) * NV + i_v) * NK + i_k
 
@@ -30,19 +26,7 @@ def test_program_id_wrong_answer_rejected(wrong):
         ex.check_program_id_of(wrong)
 
 
-def test_program_id_stub_error_propagates():
-    def stub(i_n, i_h, i_k, i_v, H, NK, NV):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_program_id_of(stub)
-
-
 # ---- gv_states ----
-
-def test_gv_states_solution_passes():
-    ex.check_gv_states()
-
 
 def _torch_gv(k, v, G, BT, decay_h=True, exp=torch.exp2):
     """The chunk update in PyTorch from the log2 cumsum G, with knobs that make it wrong."""
@@ -92,11 +76,3 @@ def test_torch_form_is_right():
 def test_gv_states_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_gv_states(wrong)
-
-
-def test_gv_states_stub_error_propagates():
-    def stub(k, v, gv, chunk_size, BK, BV):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_gv_states(stub)

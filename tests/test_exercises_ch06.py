@@ -8,10 +8,6 @@ from chunkstate.gates import prepare_chunk_offsets
 
 # ---- pack ----
 
-def test_pack_solution_passes():
-    ex.check_pack()
-
-
 def _lengths_not_offsets(seqs):
     x, cu = ex.pack(seqs)
     return x, torch.tensor([s.shape[0] for s in seqs] + [0], dtype=torch.int32)
@@ -44,19 +40,7 @@ def test_pack_wrong_answer_rejected(wrong):
         ex.check_pack(wrong)
 
 
-def test_pack_stub_error_propagates():
-    def stub(seqs):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_pack(stub)
-
-
 # ---- states_per_sequence ----
-
-def test_states_per_sequence_solution_passes():
-    ex.check_states_per_sequence()
-
 
 def _by_chunk_size(h, cu_seqlens, split_size):  # offsets counted in chunks of 16, not splits
     offsets = prepare_chunk_offsets(cu_seqlens, 16).tolist()
@@ -81,11 +65,3 @@ def _not_tensors(h, cu_seqlens, split_size):
 def test_states_per_sequence_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_states_per_sequence(wrong)
-
-
-def test_states_per_sequence_stub_error_propagates():
-    def stub(h, cu_seqlens, split_size):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_states_per_sequence(stub)

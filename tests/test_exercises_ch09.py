@@ -8,10 +8,6 @@ from chunkstate.exercises import ch09_backward_kernel as ex
 
 # ---- store_slot ----
 
-def test_store_slot_solution_passes():
-    ex.check_store_slot()
-
-
 def _fla_0_6_0(i_t, NT, cps):  # the forward's rule: the split's first chunk (fla-core 0.6.0's backward)
     return i_t // cps if i_t % cps == 0 else None
 
@@ -35,19 +31,7 @@ def test_store_slot_wrong_answer_rejected(wrong):
         ex.check_store_slot(wrong)
 
 
-def test_store_slot_stub_error_propagates():
-    def stub(i_t, NT, cps):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_store_slot(stub)
-
-
 # ---- gv_dh ----
-
-def test_gv_dh_solution_passes():
-    ex.check_gv_dh()
-
 
 def _torch_gv_dh(q, do, G, scale, BT, decay=True, exp=torch.exp2, weight="G", store_after=False):
     """The backward scan in PyTorch from the log2 cumsum G, with knobs that make it wrong."""
@@ -110,11 +94,3 @@ def test_torch_form_is_right():
 def test_gv_dh_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_gv_dh(wrong)
-
-
-def test_gv_dh_stub_error_propagates():
-    def stub(q, do, gv, scale, chunk_size, BK, BV):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_gv_dh(stub)

@@ -9,10 +9,6 @@ from chunkstate.exercises import ch10_complete_layer as ex
 
 # ---------------------------------------------------------------- exercise 1: the inter-chunk outputs
 
-def test_inter_output_solution_passes():
-    ex.check_inter_output()
-
-
 def _inter(q, gk, h, scale, G=None, decay=True, use_scale=True):
     G = gk.cumsum(1) if G is None else G
     qd = q * torch.exp(G) if decay else q
@@ -62,19 +58,7 @@ def test_inter_output_wrong_answer_rejected(wrong):
         ex.check_inter_output(wrong)
 
 
-def test_inter_output_stub_error_propagates():
-    def stub(q, gk, h, scale):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_inter_output(stub)
-
-
 # ---------------------------------------------------------------- exercise 2: dv from dh
-
-def test_chunk_dv_solution_passes():
-    ex.check_chunk_dv()
-
 
 def _dv(q, k, v, gk, do, dh, scale, mask_offset=0, upper=False, inter=True, intra=True, to_end=True,
         intra_scale=True, G=None):
@@ -122,11 +106,3 @@ def test_chunk_dv_exclusive_cumsum_rejected():
 
     with pytest.raises(AssertionError):
         ex.check_chunk_dv(wrong)
-
-
-def test_chunk_dv_stub_error_propagates():
-    def stub(q, k, v, gk, do, dh, scale):
-        raise NotImplementedError
-
-    with pytest.raises(NotImplementedError):
-        ex.check_chunk_dv(stub)
