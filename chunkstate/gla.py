@@ -414,7 +414,6 @@ def bench_against_fla(B: int = 8, T: int = 4096, H: int = 16, K: int = 128, V: i
     def ours():
         return chunk_gla(q, k, v, **{gate: a}, chunk_size=chunk_size)[0]
 
-    theirs = None
     try:
         if gate == "gk":
             from fla.ops.gla import chunk_gla as fla_op
