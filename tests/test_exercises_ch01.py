@@ -1,4 +1,4 @@
-"""Chapter 01's checker passes the shipped solution, rejects wrong answers, lets a stub's error out."""
+"""Chapter 01's checker rejects wrong answers (the shipped solution and a stub: tests/test_exercises.py)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Chapter 03's checker passes the shipped solution, rejects wrong answers, lets a stub's error out."""
+"""Chapter 03's checker rejects wrong answers (the shipped solution and a stub: tests/test_exercises.py)."""
 import math
 
 import pytest

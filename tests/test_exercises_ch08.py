@@ -1,5 +1,5 @@
-"""Chapter 08: the checker passes the shipped solution, rejects wrong answers, lets a stub's error
-out; the chapter's PyTorch chunked backward (used by chapter 09) agrees with autograd."""
+"""Chapter 08: the checker rejects wrong answers (the shipped solution and a stub:
+tests/test_exercises.py); the chapter's PyTorch chunked backward (used by chapter 09) agrees with autograd."""
 import math
 
 import pytest

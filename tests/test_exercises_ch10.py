@@ -1,4 +1,4 @@
-"""Chapter 10's checkers pass the shipped solutions, reject wrong answers, let a stub's error out."""
+"""Chapter 10's checkers reject wrong answers (the shipped solutions and a stub: tests/test_exercises.py)."""
 import math
 
 import pytest

@@ -1,5 +1,6 @@
-"""Chapter 11's checkers pass the shipped solutions, reject wrong answers, let a stub's error out;
-and the chapter's figure module reads the committed H200 sweep consistently with the byte model."""
+"""Chapter 11's checkers reject wrong answers (the shipped solutions and a stub:
+tests/test_exercises.py); the chapter's figure module reads the committed H200 sweep consistently
+with the byte model."""
 import matplotlib
 import pytest
 
