@@ -10,6 +10,7 @@ import numbers
 
 import torch
 
+from . import _host
 from .env import INTERPRET
 
 
@@ -67,7 +68,8 @@ def sizes(chunk_size, split_size) -> tuple[int, int]:
 def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
     """Check packed-batch offsets [N+1]; return (cu as int32 contiguous or None, N).
 
-    Reads the offsets on the host (one device sync), as fla does to size the outputs.
+    Reads the offsets on the host, as fla does to size the outputs: one device sync the first
+    time a tensor is seen, none on later calls with the same tensor (``_host.host_offsets``).
     """
     if cu is None:
         return None, B
@@ -81,7 +83,7 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
         raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
     if cu.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu.numel()}")
-    host = cu.tolist()
+    host = _host.host_offsets(cu)
     if host[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {host[0]}")
     if any(b < a for a, b in zip(host, host[1:])):

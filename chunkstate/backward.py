@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _tuning, _validate
+from . import _host, _tuning, _validate
 from . import pieces as _pieces
 from .forward import _load_state, _program_tile, _sequence, _store_state
-from .gates import prepare_chunk_offsets
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -285,13 +284,13 @@ def chunk_bwd_dh(
         dht = _validate.tensor("dht", dht, (N, H, *state), like=q)
 
     if cu_seqlens is None:
-        NS, split_offsets = triton.cdiv(T, BS), None
-    else:
-        split_offsets = prepare_chunk_offsets(cu_seqlens, BS)
-        NS = int(split_offsets[-1])
+        lengths, NS, split_offsets = [T] * B, triton.cdiv(T, BS), None
+    else:  # host offsets are cached per tensor: a repeated call waits for nothing on the device
+        lengths = _host.lengths(_host.host_offsets(cu_seqlens))
+        offsets = _host.split_offsets(lengths, BS)
+        NS, split_offsets = offsets[-1], _host.on_device(offsets, torch.int64, q.device)
     dh = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(N, H, *state, dtype=torch.float32, device=q.device) if h0 is not None else None
-    lengths = [T] * B if cu_seqlens is None else _pieces.lengths(cu_seqlens)
     P = _pieces.choose(pieces, N, H, K, V, lengths, BS)
     if P > 1:
         _pieces.backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, N, H, K, V,

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _tuning, _validate
-from .gates import prepare_chunk_offsets
+from . import _host, _tuning, _validate
 
 
 @triton.jit
@@ -290,13 +289,13 @@ def chunk_fwd_h(
         h0 = _validate.tensor("h0", h0, (N, H, *state), like=k)
 
     if cu_seqlens is None:
-        NS, split_offsets = triton.cdiv(T, BS), None
-    else:
-        split_offsets = prepare_chunk_offsets(cu_seqlens, BS)
-        NS = int(split_offsets[-1])
+        lengths, NS, split_offsets = [T] * B, triton.cdiv(T, BS), None
+    else:  # host offsets are cached per tensor: a repeated call waits for nothing on the device
+        lengths = _host.lengths(_host.host_offsets(cu_seqlens))
+        offsets = _host.split_offsets(lengths, BS)
+        NS, split_offsets = offsets[-1], _host.on_device(offsets, torch.int64, k.device)
     h = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=k.device) if output_final_state else None
-    lengths = [T] * B if cu_seqlens is None else _pieces.lengths(cu_seqlens)
     P = _pieces.choose(pieces, N, H, K, V, lengths, BS)
     if P > 1:
         _pieces.forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, state_v_first, P,

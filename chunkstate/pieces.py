@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _tuning
+from . import _host, _tuning
 from .env import INTERPRET
 from .forward import _load_state, _program_tile, _store_state
 
@@ -44,9 +44,9 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
 
 
 def lengths(cu_seqlens: torch.Tensor) -> list[int]:
-    """Host list of sequence lengths from ``cu_seqlens`` (one device sync)."""
-    cu = cu_seqlens.tolist()
-    return [b - a for a, b in zip(cu, cu[1:])]
+    """Host list of sequence lengths from ``cu_seqlens`` (a device sync only the first time this
+    tensor is seen: ``_host.host_offsets``)."""
+    return _host.lengths(_host.host_offsets(cu_seqlens))
 
 
 def choose(pieces, N: int, H: int, K: int, V: int, lengths: list[int], BS: int) -> int:
@@ -139,16 +139,19 @@ def _packed(B: int, T: int, x):
 
 def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
     """The piece plan on the device and the first pass's outputs: (cu_pieces, seq_pieces,
-    NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32, decay_v [NP, H, V] fp32 or None)."""
+    split_offsets of the pieces, NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32,
+    decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_host.on_device``),
+    so a repeated call copies nothing to the device and waits for nothing."""
     cu_host, seq_host = plan(lengths, BS, pieces)
-    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=dev)
-    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=dev)
+    cu_pieces = _host.on_device(cu_host, torch.int32, dev)
+    seq_pieces = _host.on_device(seq_host, torch.int32, dev)
+    split_offsets = _host.on_device(_host.split_offsets(_host.lengths(cu_host), BS), torch.int64, dev)
     NP = len(cu_host) - 1
     state = (V, K) if state_v_first else (K, V)
     F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
     decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
     decay_v = torch.empty(NP, H, V, dtype=torch.float32, device=dev) if use_gv else None
-    return cu_pieces, seq_pieces, NP, F, decay_k, decay_v
+    return cu_pieces, seq_pieces, split_offsets, NP, F, decay_k, decay_v
 
 
 def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, state_v_first, pieces,
@@ -156,13 +159,12 @@ def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, s
     """The forward's three steps (module docstring) for sequences of the given lengths, packed
     along T (a dense batch is passed as one packed row). Fills ``h`` and ``ht`` in place."""
     from .forward import _launch_forward
-    from .gates import prepare_chunk_offsets
 
     B, T, H, K = k.shape
     V = v.shape[-1]
     k, v, g, gk, gv = (_packed(B, T, x) for x in (k, v, g, gk, gv))
-    cu_pieces, seq_pieces, NP, F, decay_k, decay_v = _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first,
-                                                                    gv is not None, k.device)
+    cu_pieces, seq_pieces, piece_splits, NP, F, decay_k, decay_v = _piece_buffers(
+        lengths, BS, pieces, H, K, V, state_v_first, gv is not None, k.device)
     # 1. each piece from zero: its contribution F_p and its total decay D_p
     _launch_forward(k, v, None, g, g_gamma, gk, gv, None, F, cu_pieces, None, NP, BT, BS,
                     state_v_first, config, decay_k=decay_k, decay_v=decay_v)
@@ -170,7 +172,7 @@ def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, s
     S = scan(F, decay_k, decay_v, h0, ht, seq_pieces, N, H, K, V, False, state_v_first)
     # 3. each piece again from its true initial state, storing its states in place
     _launch_forward(k, v, h.view(1, -1, *h.shape[2:]), g, g_gamma, gk, gv, S, None, cu_pieces,
-                    prepare_chunk_offsets(cu_pieces, BS), NP, BT, BS, state_v_first, config)
+                    piece_splits, NP, BT, BS, state_v_first, config)
 
 
 def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, N, H, K, V, BT, BS,
@@ -180,12 +182,11 @@ def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, 
     ``dS_{p} = D_{p+1} ⊙ dS_{p+1} + Q_{p+1}`` from ``dht`` (the gradient leaving each piece; the
     last one is ``dh0``); each piece again from its true ``dS_p``, storing ``dh`` in place."""
     from .backward import _launch_backward
-    from .gates import prepare_chunk_offsets
 
     B, T = q.shape[:2]
     q, do, g, gk, gv = (_packed(B, T, x) for x in (q, do, g, gk, gv))
-    cu_pieces, seq_pieces, NP, Q, decay_k, decay_v = _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first,
-                                                                    gv is not None, q.device)
+    cu_pieces, seq_pieces, piece_splits, NP, Q, decay_k, decay_v = _piece_buffers(
+        lengths, BS, pieces, H, K, V, state_v_first, gv is not None, q.device)
     # 1. each piece from a zero gradient at its end
     _launch_backward(q, do, None, g, g_gamma, gk, gv, None, Q, cu_pieces, None, scale, NP, H, K, V, BT, BS,
                      state_v_first, config, decay_k=decay_k, decay_v=decay_v)
@@ -193,4 +194,4 @@ def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, 
     dS = scan(Q, decay_k, decay_v, dht, dh0, seq_pieces, N, H, K, V, True, state_v_first)
     # 3. each piece again from its true gradient, storing dh in place
     _launch_backward(q, do, dh.view(1, -1, *dh.shape[2:]), g, g_gamma, gk, gv, dS, None, cu_pieces,
-                     prepare_chunk_offsets(cu_pieces, BS), scale, NP, H, K, V, BT, BS, state_v_first, config)
+                     piece_splits, scale, NP, H, K, V, BT, BS, state_v_first, config)

@@ -1,0 +1,186 @@
+"""Host-side offsets (``chunkstate._host``): a repeated call with the same ``cu_seqlens`` reads
+nothing back from the device, yet offsets changed in place are never served stale.
+
+On CPU the reads are counted by patching ``torch.Tensor.tolist`` and ``torch.tensor``; on a GPU
+the repeated calls also run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
+device synchronisation.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chunkstate
+from chunkstate import _host, gates, reference
+from chunkstate.testing import check_close, nan_poisoned_empty
+
+ON_GPU = chunkstate.DEVICE == "cuda"
+DTYPE = torch.float32
+TOL = 2e-3 if ON_GPU else 1e-5  # fp32: tf32 products on the GPU, numpy fp32 under the interpreter
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    _host.clear()
+    yield
+    _host.clear()
+
+
+class _Reads:
+    """Counts ``Tensor.tolist`` calls and ``torch.tensor`` constructions inside ``_host``."""
+
+    def __init__(self, monkeypatch):
+        self.tolist = self.tensor = 0
+        real_tolist, real_tensor = torch.Tensor.tolist, torch.tensor
+
+        def tolist(t):
+            self.tolist += 1
+            return real_tolist(t)
+
+        def tensor(*args, **kwargs):
+            self.tensor += 1
+            return real_tensor(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        monkeypatch.setattr(_host.torch, "tensor", tensor)
+
+
+def _cu(lens, device):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def test_host_offsets_read_once_per_tensor(monkeypatch, device):
+    cu = _cu([5, 0, 7], device)
+    reads = _Reads(monkeypatch)
+    assert _host.host_offsets(cu) == (0, 5, 5, 12)
+    assert _host.host_offsets(cu) == (0, 5, 5, 12)
+    assert reads.tolist == 1
+    same_values = cu.clone()  # another tensor: read again, never confused with the first
+    assert _host.host_offsets(same_values) == (0, 5, 5, 12) and reads.tolist == 2
+
+
+def test_host_offsets_see_in_place_changes(device):
+    cu = _cu([5, 0, 7], device)
+    assert _host.host_offsets(cu) == (0, 5, 5, 12)
+    cu[1] = 3  # bumps the version counter
+    assert _host.host_offsets(cu) == (0, 3, 5, 12)
+    cu.add_(1)
+    assert _host.host_offsets(cu) == (1, 4, 6, 13)
+
+
+def test_inference_tensors_are_read_every_time(monkeypatch, device):
+    with torch.inference_mode():
+        cu = _cu([4, 4], device)
+    reads = _Reads(monkeypatch)
+    assert _host.host_offsets(cu) == _host.host_offsets(cu) == (0, 4, 8)
+    assert reads.tolist == 2
+
+
+def test_on_device_makes_each_tensor_once(monkeypatch, device):
+    reads = _Reads(monkeypatch)
+    a = _host.on_device((0, 3, 9), torch.int64, device)
+    assert a is _host.on_device([0, 3, 9], torch.int64, device)
+    b = _host.on_device((0, 3, 9), torch.int32, device)
+    assert b is not a and b.dtype == torch.int32 and a.tolist() == b.tolist() == [0, 3, 9]
+    assert reads.tensor == 2
+
+
+def test_cache_is_bounded(device):
+    for n in range(3 * _host.MAX_ENTRIES):
+        _host.on_device((0, n), torch.int64, device)
+        _host.host_offsets(_cu([n], device))
+    assert len(_host._device_cache) == len(_host._host_cache) == _host.MAX_ENTRIES
+
+
+@pytest.mark.parametrize("split_size", [1, 16, 64, 100])
+def test_split_offsets_match_the_device_version(split_size, device):
+    lens = [random.choice([0, 1, random.randint(2, 300)]) for _ in range(random.randint(1, 12))]
+    cu = _cu(lens, device)
+    want = gates.prepare_chunk_offsets(cu, split_size).tolist()
+    assert list(_host.split_offsets(_host.lengths(_host.host_offsets(cu)), split_size)) == want
+
+
+def _inputs(lens, K, V, device):
+    T = sum(lens)
+    k, v = torch.randn(1, T, 2, K, device=device), torch.randn(1, T, 2, V, device=device)
+    g = F.logsigmoid(torch.randn(1, T, 2, device=device))
+    return k, v, g
+
+
+def _forward(k, v, g, cu, **kw):
+    with nan_poisoned_empty():
+        return chunkstate.chunk_fwd_h(k, v, g=gates.chunk_local_cumsum(g, 16, cu), cu_seqlens=cu, chunk_size=16,
+                                      output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_offsets_changed_in_place_give_the_new_answer(pieces, device):
+    """The same cu_seqlens tensor, rewritten in place between two calls: the second call must
+    use the new boundaries (checked against the loop), not the cached ones."""
+    k, v, g = _inputs([40, 0, 23], 24, 20, device)
+    cu = _cu([40, 0, 23], device)
+    _forward(k, v, g, cu, pieces=pieces)
+    cu.copy_(_cu([17, 30, 16], device))
+    h, ht = _forward(k, v, g, cu, pieces=pieces)
+    h_ref, ht_ref = reference.recurrent_states(k, v, g=g, cu_seqlens=cu, chunk_size=16)
+    check_close(h, h_ref, "h after cu_seqlens changed in place", TOL)
+    check_close(ht, ht_ref, "ht after cu_seqlens changed in place", TOL)
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_repeated_call_reads_nothing_back(pieces, monkeypatch, device):
+    """Forward and backward, packed batch (and explicit pieces): the second call with the same
+    cu_seqlens neither reads a tensor on the host nor copies a list to the device, and gives the
+    same result. On a GPU it runs under sync debug mode "error" as well."""
+    lens = [40, 0, 23, 1]
+    k, v, g = _inputs(lens, 24, 20, device)
+    q, do = torch.randn_like(k), torch.randn_like(v)
+    cu = _cu(lens, device)
+    G = gates.chunk_local_cumsum(g, 16, cu)
+
+    def both():
+        with nan_poisoned_empty():
+            h, ht = chunkstate.chunk_fwd_h(k, v, g=G, cu_seqlens=cu, chunk_size=16, output_final_state=True,
+                                           pieces=pieces)
+            dh, _ = chunkstate.chunk_bwd_dh(q, k, v, do, None, None, 0.5, g=G, cu_seqlens=cu, chunk_size=16,
+                                            pieces=pieces)
+        return h, ht, dh
+
+    first = both()
+    reads = _Reads(monkeypatch)
+    if ON_GPU:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = both()
+    finally:
+        if ON_GPU:
+            torch.cuda.set_sync_debug_mode("default")
+    assert (reads.tolist, reads.tensor) == (0, 0)
+    for a, b, name in zip(first, second, ("h", "ht", "dh")):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not ON_GPU, reason="device synchronisation exists only on a GPU")
+def test_dense_pieces_never_synchronise():
+    """A dense batch cut into pieces (the small-batch path): after the first call, forward and
+    backward launch without one device synchronisation."""
+    k, v = (torch.randn(1, 4096, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    G = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(1, 4096, 2, device="cuda")), 64)
+
+    def both():
+        h, _ = chunkstate.chunk_fwd_h(k, v, g=G, pieces=4)
+        dh, _ = chunkstate.chunk_bwd_dh(k, k, v, v, None, None, 0.125, g=G, pieces=4)
+        return h, dh
+
+    first = both()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = both()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
