@@ -78,6 +78,23 @@ def lengths(cu_host) -> list[int]:
     return [b - a for a, b in zip(cu_host, cu_host[1:])]
 
 
+def split_slots(lengths, split_size: int, device) -> tuple[int, torch.Tensor]:
+    """The number of split slots NS and each sequence's first slot, [N + 1] int64 on ``device``
+    (made once per distinct plan)."""
+    offsets = split_offsets(lengths, split_size)
+    return offsets[-1], on_device(offsets, torch.int64, device)
+
+
+def splits(cu_seqlens, B: int, T: int, split_size: int, device) -> tuple[list[int], int, torch.Tensor | None]:
+    """What a kernel wrapper needs to size and launch: the sequence lengths, NS, and each packed
+    sequence's first split slot (None for a dense batch, whose slots follow from T)."""
+    if cu_seqlens is None:
+        return [T] * B, -(-T // split_size), None
+    lens = lengths(host_offsets(cu_seqlens))
+    NS, first_slots = split_slots(lens, split_size, device)
+    return lens, NS, first_slots
+
+
 def clear() -> None:
     """Forget everything (tests; or after writing into an offsets tensor behind torch's back)."""
     _host_cache.clear()

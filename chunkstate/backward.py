@@ -283,12 +283,8 @@ def chunk_bwd_dh(
     if dht is not None:
         dht = _validate.tensor("dht", dht, (N, H, *state), like=q)
 
-    if cu_seqlens is None:
-        lengths, NS, split_offsets = [T] * B, triton.cdiv(T, BS), None
-    else:  # host offsets are cached per tensor: a repeated call waits for nothing on the device
-        lengths = _host.lengths(_host.host_offsets(cu_seqlens))
-        offsets = _host.split_offsets(lengths, BS)
-        NS, split_offsets = offsets[-1], _host.on_device(offsets, torch.int64, q.device)
+    # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
+    lengths, NS, split_offsets = _host.splits(cu_seqlens, B, T, BS, q.device)
     dh = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(N, H, *state, dtype=torch.float32, device=q.device) if h0 is not None else None
     P = _pieces.choose(pieces, N, H, K, V, lengths, BS)

@@ -288,12 +288,8 @@ def chunk_fwd_h(
     if h0 is not None:
         h0 = _validate.tensor("h0", h0, (N, H, *state), like=k)
 
-    if cu_seqlens is None:
-        lengths, NS, split_offsets = [T] * B, triton.cdiv(T, BS), None
-    else:  # host offsets are cached per tensor: a repeated call waits for nothing on the device
-        lengths = _host.lengths(_host.host_offsets(cu_seqlens))
-        offsets = _host.split_offsets(lengths, BS)
-        NS, split_offsets = offsets[-1], _host.on_device(offsets, torch.int64, k.device)
+    # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
+    lengths, NS, split_offsets = _host.splits(cu_seqlens, B, T, BS, k.device)
     h = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=k.device) if output_final_state else None
     P = _pieces.choose(pieces, N, H, K, V, lengths, BS)

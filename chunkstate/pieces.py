@@ -43,12 +43,6 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), most))
 
 
-def lengths(cu_seqlens: torch.Tensor) -> list[int]:
-    """Host list of sequence lengths from ``cu_seqlens`` (a device sync only the first time this
-    tensor is seen: ``_host.host_offsets``)."""
-    return _host.lengths(_host.host_offsets(cu_seqlens))
-
-
 def choose(pieces, N: int, H: int, K: int, V: int, lengths: list[int], BS: int) -> int:
     """Validate the caller's ``pieces`` (None: ``auto_pieces``) and return the count to use."""
     if pieces is None:
@@ -145,7 +139,7 @@ def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
     cu_host, seq_host = plan(lengths, BS, pieces)
     cu_pieces = _host.on_device(cu_host, torch.int32, dev)
     seq_pieces = _host.on_device(seq_host, torch.int32, dev)
-    split_offsets = _host.on_device(_host.split_offsets(_host.lengths(cu_host), BS), torch.int64, dev)
+    _, split_offsets = _host.split_slots(_host.lengths(cu_host), BS, dev)
     NP = len(cu_host) - 1
     state = (V, K) if state_v_first else (K, V)
     F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
