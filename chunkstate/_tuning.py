@@ -47,27 +47,40 @@ def sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def grid_bucket(num_heads_total: int) -> int:
-    """Bucket N·H against the SM count: 0 < 1/4 wave, 1 < 1 wave, 2 < 4 waves, 3 beyond (with
-    64×64 tiles at K = V = 128 one (sequence, head) is 4 programs)."""
+def bucket_limits() -> tuple[int, ...]:
+    """Where the ``GRID`` buckets end, in (sequence, head) pairs N·H: an eighth of the SM count, a
+    quarter, one, four (with 64×64 tiles at K = V = 128 one pair is 4 programs)."""
     sms = sm_count()
-    for bucket, limit in enumerate((sms // 4, sms, 4 * sms)):
+    return sms // 8, sms // 4, sms, 4 * sms
+
+
+N_BUCKETS = len(bucket_limits()) + 1
+
+
+def grid_bucket(num_heads_total: int) -> int:
+    """Bucket N·H against the SM count: 0 < 1/8 wave, 1 < 1/4 wave, 2 < 1 wave, 3 < 4 waves,
+    4 beyond."""
+    for bucket, limit in enumerate(bucket_limits()):
         if num_heads_total < limit:
             return bucket
-    return 3
+    return len(bucket_limits())
 
 
 def candidates(K: int, V: int, bucket: int) -> list[tuple[int, int, int, int]]:
     """The short list (BK, BV, num_warps, num_stages) tried for one key.
 
     Chosen from a sweep of every config on an H200 (bf16, K = V = 128 and 64/256, g and gk gates;
-    ``python -m chunkstate.bench --sweep``): under a quarter wave the winners are small tiles with
-    deep prefetch (32×32, 4 stages: a program streams slowly, so more programs and more bytes in
-    flight per program win); around one wave 64×128 or 64×64; beyond, 128×64 / 64×128.
+    ``python -m chunkstate.bench --sweep``): under an eighth of a wave the winners are small tiles
+    with deep prefetch (32×32, 4 stages: a program streams slowly, so more programs and more bytes
+    in flight per program win; N·H = 4 and 8); between an eighth and a quarter, 64×64 with deep
+    prefetch (N·H = 32: 32×32 re-reads k and v four times and was 1.8× slower); around one wave
+    64×128 or 64×64; beyond, 128×64 / 64×128.
     """
     if bucket == 0:
         return [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
     if bucket == 1:
+        return [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 5), (32, 32, 4, 4)]
+    if bucket == 2:
         return [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2)]
     return [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3)]
 

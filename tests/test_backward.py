@@ -546,7 +546,7 @@ def _configs_to_check(dtype):
     (compiling all 60 twice would cost minutes of GPU time for the same tiling logic)."""
     if dtype == torch.bfloat16:
         return _tuning.ALL_CONFIGS
-    tried = {t for bucket in range(4) for t in _tuning.candidates(128, 128, bucket)}
+    tried = {t for bucket in range(_tuning.N_BUCKETS) for t in _tuning.candidates(128, 128, bucket)}
     return [c for c in _tuning.ALL_CONFIGS if (c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) in tried]
 
 
