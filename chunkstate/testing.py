@@ -52,6 +52,63 @@ def nan_poisoned_empty():
         torch.empty, torch.empty_like = empty, empty_like
 
 
+def one_config(configs: list) -> object:
+    """The config an autotuner limited to one should keep: the fewest pipeline stages (the least
+    shared memory), 4 warps where the list offers them (else the nearest count), then the first in
+    the list's own order."""
+    fewest = min(c.num_stages for c in configs)
+    staged = [c for c in configs if c.num_stages == fewest]
+    nearest = min(abs(c.num_warps - 4) for c in staged)
+    return next(c for c in staged if abs(c.num_warps - 4) == nearest)
+
+
+@contextlib.contextmanager
+def fla_one_config():
+    """Within the block, every autotuned fla-core kernel imported so far runs one config
+    (:func:`one_config` of its list) instead of compiling and timing its whole list.
+
+    For correctness comparisons with fla, where its speed does not matter: fla 0.6.0 tunes each
+    kernel over up to 48 configs, and the first call of its ``chunk_gla`` forward and backward
+    compiles them all (minutes on an H200). The ops chunkstate compares with (``chunk_h``,
+    ``gla``, ``simple_gla``) are imported first, where fla is installed; without fla nothing
+    changes. Yields how many autotuners were limited; their lists are restored on exit, and
+    nothing chosen inside is cached (a single config is never timed)."""
+    import importlib
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    for name in ("fla.ops.common.chunk_h", "fla.ops.gla", "fla.ops.simple_gla"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # not installed, or fails to import on this machine
+            pass
+
+    def autotuners():
+        found = {}
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "fla" or name.startswith("fla.")):
+                continue
+            for obj in list(vars(module).values()):
+                for _ in range(6):  # through triton.heuristics / jit wrappers
+                    if isinstance(obj, Autotuner):
+                        found[id(obj)] = obj
+                        break
+                    obj = getattr(obj, "fn", None)
+                    if obj is None:
+                        break
+        return list(found.values())
+
+    saved = [(tuner, tuner.configs) for tuner in autotuners() if len(tuner.configs) > 1]
+    try:
+        for tuner, configs in saved:
+            tuner.configs = [one_config(configs)]
+        yield len(saved)
+    finally:
+        for tuner, configs in saved:
+            tuner.configs = configs
+
+
 def state_tolerance(dtype: torch.dtype) -> float:
     """Bound on ‖h − h_ref‖/‖h_ref‖ for states a kernel computes from ``dtype`` inputs.
 

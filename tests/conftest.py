@@ -6,6 +6,8 @@
 - ``device``: where kernel inputs must live (``chunkstate.DEVICE``: "cuda", or "cpu" under
   Triton's interpreter).
 - torch uses one CPU thread (tiny tensors; see ``pytest_configure``).
+- ``fla_one_config``: fla-core's autotuned kernels run one config each for the test
+  (``chunkstate.testing.fla_one_config``): comparisons check fla's numbers, not its speed.
 - ``@pytest.mark.gpu``: the test needs a CUDA GPU (bf16, large shapes, many autotune configs);
   it is skipped, saying why, under the interpreter.
 """
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import chunkstate
+from chunkstate.testing import fla_one_config as _fla_one_config
 from chunkstate.testing import nan_poisoned_empty
 
 
@@ -45,3 +48,11 @@ def _nan_poisoned_empty():
 def device() -> str:
     """``chunkstate.DEVICE``: "cuda" on a GPU machine, "cpu" under Triton's interpreter."""
     return chunkstate.DEVICE
+
+
+@pytest.fixture
+def fla_one_config() -> int:
+    """fla-core's autotuners limited to one config each for the test (how many were limited; 0
+    without fla). Its first call would otherwise compile and time every config: minutes."""
+    with _fla_one_config() as limited:
+        yield limited

@@ -577,16 +577,15 @@ def test_gpu_every_config(dtype):
     assert len(too_big) < len(configs), "no config fits"
 
 
-def _fla_chunk_h(monkeypatch):
-    """fla-core 0.6.0's chunk_h module, its backward tuned over one config only (it would time 48
-    per specialisation: 34-49 s each on an H200); skips when fla is not installed."""
+def _fla_chunk_h():
+    """fla-core 0.6.0's chunk_h module; skips when fla is not installed. (The tests that call it
+    take the ``fla_one_config`` fixture: fla's backward would time 48 configs per specialisation,
+    34-49 s each on an H200.)"""
     fla_chunk_h = pytest.importorskip("fla.ops.common.chunk_h")
     import importlib.metadata
 
     if importlib.metadata.version("fla-core") != "0.6.0":
         pytest.skip("compares against fla-core 0.6.0 exactly")
-    monkeypatch.setattr(fla_chunk_h.chunk_bwd_kernel_dh.fn, "configs",
-                        [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)])
     return fla_chunk_h
 
 
@@ -595,10 +594,10 @@ def _fla_chunk_h(monkeypatch):
                          ids="+".join)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("cu", [None, [0, 0, 700, 2048, 4096]], ids=["dense", "varlen"])
-def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, monkeypatch):
+def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, fla_one_config):
     """HQ = H and split_size = chunk_size, one gate kind or gk with gv (fla 0.6.0's GQA and split
     paths are wrong, and so is g with g_gamma). fla takes the same log2 chunk-local cumsums."""
-    fla = _fla_chunk_h(monkeypatch)
+    fla = _fla_chunk_h()
     B, T = (2, 2048) if cu is None else (1, 4096)
     inp, nat, h0, dht, cu = make_case(B, T, 4, 1, 128, 128, gate_names, 64, dtype, cu)
     ours = run_backward(inp, nat, h0, dht, cu, 64)
@@ -610,10 +609,10 @@ def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, monkeypatch):
 
 
 @gpu
-def test_gpu_fla_gqa_bug_is_not_ours(monkeypatch):
+def test_gpu_fla_gqa_bug_is_not_ours(fla_one_config):
     """fla 0.6.0 with HQ = 2H allocates HQ heads, launches N·H programs and indexes by HQ: its dh0
     is wrong (and part of its dh never written), while chunkstate matches the loop."""
-    fla = _fla_chunk_h(monkeypatch)
+    fla = _fla_chunk_h()
     inp, nat, h0, dht, cu = make_case(2, 512, 2, 2, 64, 64, ("g",), 64, torch.float32)
     ref_dh, ref_dh0 = reverse_loop(inp, nat, dht, cu, 64)
     dh, dh0 = run_backward(inp, nat, h0, dht, cu, 64)

@@ -452,9 +452,9 @@ FLA_CASES = [  # (id, B, T, H, K, V, gates, cu)
 
 @gpu_only
 @pytest.mark.parametrize("c", FLA_CASES, ids=[c[0] for c in FLA_CASES])
-def test_gpu_against_fla(c, device):
+def test_gpu_against_fla(c, device, fla_one_config):
     """bf16 forward and backward against fla's op on the same inputs (both also against the loop,
-    so a failure says which side is off). fla's first call autotunes many kernels (minutes)."""
+    so a failure says which side is off). fla runs one config per kernel (``fla_one_config``)."""
     what, B, T, H, K, V, gates, cu = c
     fla_op = _fla_op(gates)
     x, cu_seqlens, do, dht = make_inputs(B, T, H, K, V, gates, True, cu, dtype=torch.bfloat16, device=device)
