@@ -139,7 +139,7 @@ FLA_SHAPES = (Shape(1, 8192, 96), Shape(2, 16384, 16), Shape(4, 2048, 16), Shape
 SHAPES = OWN_SHAPES + FLA_SHAPES
 VARIANT_SHAPES = OWN_SHAPES[:3]
 QUICK_SHAPES = (OWN_SHAPES[0], OWN_SHAPES[2])
-SWEEP_SHAPES = (OWN_SHAPES[1], OWN_SHAPES[0], FLA_SHAPES[3])  # N·H in occupancy buckets 0, 1, 2
+SWEEP_SHAPES = (OWN_SHAPES[2], OWN_SHAPES[1], OWN_SHAPES[0], FLA_SHAPES[3])  # N·H in grid buckets 0, 1, 2, 3
 
 
 def select_shapes(shapes, wanted: list[str] | None):

@@ -116,7 +116,7 @@ def _fits(key, K, V) -> bool:
 def candidate_keys(K: int, V: int) -> list[tuple]:
     """Every config the autotuner may try for (K, V), over all grid buckets (``_tuning.prune``)."""
     keys = []
-    for bucket in range(4):
+    for bucket in range(_tuning.N_BUCKETS):
         keys += [_key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, {"K": K, "V": V, "GRID": bucket})]
     return list(dict.fromkeys(keys))
 
