@@ -76,30 +76,16 @@ def fla_one_config():
     import importlib
     import sys
 
-    from triton.runtime.autotuner import Autotuner
+    from .bench import find_autotuners
 
     for name in ("fla.ops.common.chunk_h", "fla.ops.gla", "fla.ops.simple_gla"):
         try:
             importlib.import_module(name)
         except Exception:  # not installed, or fails to import on this machine
             pass
-
-    def autotuners():
-        found = {}
-        for name, module in list(sys.modules.items()):
-            if module is None or not (name == "fla" or name.startswith("fla.")):
-                continue
-            for obj in list(vars(module).values()):
-                for _ in range(6):  # through triton.heuristics / jit wrappers
-                    if isinstance(obj, Autotuner):
-                        found[id(obj)] = obj
-                        break
-                    obj = getattr(obj, "fn", None)
-                    if obj is None:
-                        break
-        return list(found.values())
-
-    saved = [(tuner, tuner.configs) for tuner in autotuners() if len(tuner.configs) > 1]
+    fla_modules = [m for name, m in list(sys.modules.items())
+                   if m is not None and (name == "fla" or name.startswith("fla."))]
+    saved = [(tuner, tuner.configs) for tuner in find_autotuners(*fla_modules) if len(tuner.configs) > 1]
     try:
         for tuner, configs in saved:
             tuner.configs = [one_config(configs)]
