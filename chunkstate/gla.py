@@ -44,11 +44,12 @@ Design choices, each for clarity or safety:
   (``2^{G/ln 2} = e^{G}``). The gradient formulas above are w.r.t. the natural-log gates.
 - **No overflow under strong decays.** A factor ``e^{G_i}`` or ``e^{Γ−G_j}`` is ≤ 1 for decaying
   gates. ``e^{G_i − G_j}`` is never split into ``e^{G_i}·e^{−G_j}`` over a whole chunk (``e^{−G_j}``
-  overflows fp32 once a chunk decays by more than ~88 nats). Instead the chunk is cut into
-  sub-chunks of ``BC = 16`` tokens: for rows i after sub-chunk c and columns j inside it the
-  product goes through ``r`` = the last token of sub-chunk c, ``e^{G_i−G_r} · e^{G_r−G_j}``, both
-  factors ≤ 1 (a matmul per sub-chunk, as fla does); the 16×16 diagonal blocks take the difference
-  ``e^{G_i−G_j}`` elementwise, one column j at a time.
+  overflows fp32 once a chunk decays by more than ~88 nats). Instead the chunk is cut in two:
+  for rows i in the second half and columns j in the first, the product goes through ``r`` = the
+  first half's last token, ``e^{G_i−G_r} · e^{G_r−G_j}``, both factors ≤ 1, so that quadrant is
+  one matmul. Each half is cut in two the same way, and so on down to single tokens: log2(BT)
+  levels of batched matmuls cover the lower triangle, and the diagonal (i = j) has no decay at
+  all. (fla stops at sub-chunks of 16 tokens and fills their diagonal blocks column by column.)
 - **Packed (varlen) batches: each sequence is padded to a multiple of BT.** Tokens are gathered
   into a chunk layout [C, H, BT, D] (C = all chunks of all sequences, in the kernels' state
   order); a padded slot holds zeros for q, k, v, do and repeats the last valid token's ``G``, so
@@ -80,7 +81,6 @@ from .backward import chunk_bwd_dh
 from .forward import chunk_fwd_h
 from .gates import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
 
-BC = 16  # sub-chunk: diagonal blocks of the intra-chunk matrix are BC x BC, taken elementwise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,39 +144,53 @@ class ChunkLayout:
 # The intra-chunk part, batched over all chunks: tensors [C, H, BT, D] fp32, G in log2 units
 # ---------------------------------------------------------------------------------------------
 
-def _off_diagonal_factors(G: torch.Tensor, lo: int, hi: int):
-    """Decay factors through the last token r = hi-1 of sub-chunk [lo, hi): for rows i >= hi,
-    ``2^{G_i - G_r}`` [C,H,BT-hi,K]; for columns j in [lo, hi), ``2^{G_r - G_j}`` [C,H,BC,K].
-    Their product is ``2^{G_i - G_j}`` and each is <= 1 for decaying gates."""
-    ref = G[:, :, hi - 1:hi]
-    return torch.exp2(G[:, :, hi:] - ref), torch.exp2(ref - G[:, :, lo:hi])
+def _levels(BT: int):
+    """The widths of the halves, coarse to fine: BT/2, BT/4, ..., 1 (BT a power of two)."""
+    half = BT // 2
+    while half >= 1:
+        yield half
+        half //= 2
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """[C, H, BT, D] -> [C, H, NC, BC, D] (a view): the sub-chunks."""
+def _halves(x: torch.Tensor, half: int) -> torch.Tensor:
+    """[C, H, BT, D] -> [C, H, nb, 2, half, D] (a view): the chunk as nb = BT / (2·half) blocks of
+    2·half tokens, each cut in two."""
     C, H, BT, D = x.shape
-    return x.view(C, H, BT // BC, BC, D)
+    return x.view(C, H, BT // (2 * half), 2, half, D)
+
+
+def _quadrants(M: torch.Tensor, half: int) -> torch.Tensor:
+    """[C, H, BT, BT] -> [C, H, half, half, nb] (a view): in each diagonal block of 2·half tokens
+    of the matrix, the quadrant of rows in its second half and columns in its first half."""
+    C, H, BT, _ = M.shape
+    nb = BT // (2 * half)
+    return M.view(C, H, nb, 2, half, nb, 2, half).diagonal(dim1=2, dim2=5)[:, :, 1, :, 0, :, :]
+
+
+def _factored_halves(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, half: int):
+    """One level: with r the last token of each block's first half, the rows of its second half
+    ``q_i ⊙ 2^{G_i − G_r}`` and the columns of its first half ``k_j ⊙ 2^{G_r − G_j}``, [C, H, nb,
+    half, K] each, and the two decay factors (all <= 1 for decaying gates). A row times a column is
+    ``Σ_k q_ik k_jk 2^{G_ik − G_jk}``."""
+    Gh = _halves(G, half)
+    G_r = Gh[:, :, :, 0, half - 1:half]  # [C, H, nb, 1, K]
+    f_row, f_col = torch.exp2(Gh[:, :, :, 1] - G_r), torch.exp2(G_r - Gh[:, :, :, 0])
+    return _halves(q, half)[:, :, :, 1] * f_row, _halves(k, half)[:, :, :, 0] * f_col, f_row, f_col
 
 
 def intra_attention(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``P`` [C, H, BT, BT]: ``P_ij = Σ_k q_ik k_jk 2^{G_ik − G_jk}`` for j <= i, 0 above.
 
     q, k, G: [C, H, BT, K] fp32 (G a chunk-local cumsum in log2 units). Every exponent taken is
-    <= 0 for decaying gates (module docstring)."""
+    <= 0 for decaying gates (module docstring): one batched matmul per level of halving, and the
+    diagonal, which has no decay."""
+    q, k, G = q.contiguous(), k.contiguous(), G.contiguous()  # the levels are views
     C, H, BT, K = q.shape
     P = q.new_zeros(C, H, BT, BT)
-    for lo in range(0, BT, BC):  # rows after sub-chunk [lo, hi), its columns: one matmul
-        hi = lo + BC
-        if hi < BT:
-            f_row, f_col = _off_diagonal_factors(G, lo, hi)
-            P[:, :, hi:, lo:hi] = (q[:, :, hi:] * f_row) @ (k[:, :, lo:hi] * f_col).transpose(-1, -2)
-    qb, kb, Gb = _blocks(q), _blocks(k), _blocks(G)  # [C, H, NC, BC, K]
-    Pb = q.new_zeros(*qb.shape[:3], BC, BC)  # the diagonal blocks
-    for j in range(BC):  # column j of every diagonal block, rows i >= j
-        E = torch.exp2(Gb[..., j:, :] - Gb[..., j:j + 1, :])  # [C, H, NC, BC-j, K]
-        Pb[..., j:, j] = (qb[..., j:, :] * kb[..., j:j + 1, :] * E).sum(-1)
-    for c, lo in enumerate(range(0, BT, BC)):
-        P[:, :, lo:lo + BC, lo:lo + BC] = Pb[:, :, c]
+    P.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+    for half in _levels(BT):
+        rows, cols, _, _ = _factored_halves(q, k, G, half)  # [C, H, nb, half, K]
+        _quadrants(P, half).copy_((rows @ cols.transpose(-1, -2)).permute(0, 1, 3, 4, 2))
     return P
 
 
@@ -184,24 +198,15 @@ def intra_attention_grads(q, k, G, dP):
     """The strictly-lower part of the gradients of ``Σ_ij dP_ij P_ij`` (``P`` =
     :func:`intra_attention`, ``dP`` [C, H, BT, BT], read below its diagonal only) w.r.t. q and k,
     holding G fixed: ``dq_i = Σ_{j<i} dP_ij k_j ⊙ 2^{G_i−G_j}``, ``dk_j = Σ_{i>j} dP_ij q_i ⊙
-    2^{G_i−G_j}``; [C, H, BT, K] each, same sub-chunk safety. (The diagonal, ``dP_ii k_i`` and
-    ``dP_ii q_i``, has no decay: the caller adds it.)"""
-    C, H, BT, K = q.shape
+    2^{G_i−G_j}``; [C, H, BT, K] each, through the same levels of halving. (The diagonal,
+    ``dP_ii k_i`` and ``dP_ii q_i``, has no decay: the caller adds it.)"""
+    q, k, G, dP = q.contiguous(), k.contiguous(), G.contiguous(), dP.contiguous()  # the levels are views
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-    for lo in range(0, BT, BC):
-        hi = lo + BC
-        if hi < BT:
-            f_row, f_col = _off_diagonal_factors(G, lo, hi)
-            dP_c = dP[:, :, hi:, lo:hi]  # [C, H, BT-hi, BC]
-            dq[:, :, hi:] += f_row * (dP_c @ (k[:, :, lo:hi] * f_col))
-            dk[:, :, lo:hi] += f_col * (dP_c.transpose(-1, -2) @ (q[:, :, hi:] * f_row))
-    qb, kb, Gb, dqb, dkb = _blocks(q), _blocks(k), _blocks(G), _blocks(dq), _blocks(dk)
-    dPb = torch.stack([dP[:, :, lo:lo + BC, lo:lo + BC] for lo in range(0, BT, BC)], 2)  # [C,H,NC,BC,BC]
-    for j in range(BC - 1):  # column j of every diagonal block, rows i > j
-        E = torch.exp2(Gb[..., j + 1:, :] - Gb[..., j:j + 1, :])  # [C, H, NC, BC-j-1, K]
-        w = dPb[..., j + 1:, j, None] * E  # [C, H, NC, BC-j-1, K]
-        dqb[..., j + 1:, :] += w * kb[..., j:j + 1, :]
-        dkb[..., j, :] += (w * qb[..., j + 1:, :]).sum(-2)
+    for half in _levels(q.shape[2]):
+        rows, cols, f_row, f_col = _factored_halves(q, k, G, half)  # [C, H, nb, half, K]
+        dP_q = _quadrants(dP, half).permute(0, 1, 4, 2, 3)  # [C, H, nb, half, half]
+        _halves(dq, half)[:, :, :, 1] += f_row * (dP_q @ cols)
+        _halves(dk, half)[:, :, :, 0] += f_col * (dP_q.transpose(-1, -2) @ rows)
     return dq, dk
 
 

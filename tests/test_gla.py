@@ -3,7 +3,7 @@
 On CPU (Triton's interpreter, fp32 unless said): the output, ``ht`` and every gradient (q, k, v,
 g, gk, initial_state; the loss reads ``o`` and ``ht``) over odd shapes (T = 1, 63, 100; K, V not
 powers of two), g alone, gk alone, both, no gate, with and without h0 / ht, chunk sizes 16/32/64
-(the sub-chunk path needs BT >= 32), packed batches with empty and one-token sequences; a loss on
+(log2 BT levels of halving each), packed batches with empty and one-token sequences; a loss on
 ``o`` only and on ``ht`` only; fp16; decays strong enough that e^{-G} overflows fp32;
 ``torch.autograd.gradcheck`` in float64; and the input errors.
 
@@ -197,6 +197,29 @@ def test_strong_decays_do_not_overflow(gates, device):
     assert all(math.isfinite(e) for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("BT", [16, 32, 64])
+@pytest.mark.parametrize("strength", [0.3, 60.0], ids=["mild", "strong"])
+def test_intra_attention_is_its_definition(BT, strength):
+    """``intra_attention`` and ``intra_attention_grads`` against ``P_ij = Σ_k q_ik k_jk
+    2^{G_ik − G_jk}`` (j <= i) written out elementwise in float64, where every exponent is <= 0,
+    and against autograd of ``Σ dP ⊙ P`` through it: mild decays and decays of up to 60 (log2)
+    per token, where ``2^{-G}`` alone would overflow."""
+    C, H, K = 3, 2, 5
+    q, k, dP = torch.randn(C, H, BT, K), torch.randn(C, H, BT, K), torch.randn(C, H, BT, BT)
+    G = -torch.cumsum(torch.rand(C, H, BT, K) * strength, 2)
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    diff = G.double()[:, :, :, None, :] - G.double()[:, :, None, :, :]  # [C, H, i, j, K]
+    lower = torch.ones(BT, BT, dtype=torch.bool).tril()
+    decay = torch.exp2(torch.where(lower[:, :, None], diff, float("-inf")))
+    P_ref = (q64[:, :, :, None, :] * k64[:, :, None, :, :] * decay).sum(-1)
+    strict = dP.double() * torch.ones(BT, BT).tril(-1).double()  # the grads leave out the diagonal
+    dq_ref, dk_ref = torch.autograd.grad((P_ref * strict).sum(), [q64, k64])
+    check_close(gla.intra_attention(q, k, G), P_ref, f"P, BT={BT}", 1e-5)
+    dq, dk = gla.intra_attention_grads(q, k, G, dP)
+    check_close(dq, dq_ref, f"dq, BT={BT}", 1e-5)
+    check_close(dk, dk_ref, f"dk, BT={BT}", 1e-5)
+
+
 def test_chunk_size_does_not_change_the_result(device):
     """The same call with BT = 16, 32, 64, 128: the outputs and gradients agree to rounding."""
     x, cu_seqlens, do, dht = make_inputs(1, 90, 1, 12, 10, ("g", "gk"), True, [0, 0, 90], device=device)
@@ -318,7 +341,7 @@ def test_torch_states_match_the_kernels(device):
 @pytest.mark.parametrize("T,K,cu,fast", [(34, 2, None, False), (37, 3, [0, 0, 1, 35, 37], True)],
                          ids=["dense-T34-full", "varlen-0-1-34-2-fast"])
 def test_gradcheck_float64(T, K, cu, fast, monkeypatch, device):
-    """BT = 32: two chunks per sequence, so the sub-chunk (off-diagonal) path runs, the last chunk
+    """BT = 32: two chunks per sequence (five levels of halving each), the last chunk
     partly padded. The dense case checks the full Jacobian; the packed one (slower per call) its
     projections on random directions (``fast_mode``) to keep the file's run time down."""
     monkeypatch.setattr(gla, "chunk_fwd_h", torch_fwd_h)
