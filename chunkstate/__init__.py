@@ -14,10 +14,10 @@ if "TRITON_INTERPRET" not in _os.environ:
         _os.environ["TRITON_INTERPRET"] = "1"
 
 from .env import DEVICE, INTERPRET, environment  # noqa: E402
-from . import gates, reference, testing  # noqa: E402
+from . import delta, gates, reference, testing  # noqa: E402
 from .forward import chunk_fwd_h  # noqa: E402
 from .backward import chunk_bwd_dh  # noqa: E402
 from .gla import chunk_gla  # noqa: E402
 
-__all__ = ["DEVICE", "INTERPRET", "environment", "gates", "reference", "testing", "chunk_fwd_h", "chunk_bwd_dh", "chunk_gla"]
+__all__ = ["DEVICE", "INTERPRET", "environment", "delta", "gates", "reference", "testing", "chunk_fwd_h", "chunk_bwd_dh", "chunk_gla"]
 __version__ = "0.1.0"
