@@ -25,11 +25,11 @@ def _inputs(B, T, H, K, V, h0=True, device="cpu"):
 
 @pytest.mark.parametrize("B,T,H,K,V,BT", [(2, 100, 3, 12, 20, 32), (1, 1, 1, 5, 7, 16), (1, 63, 2, 16, 16, 64),
                                            (2, 64, 1, 8, 3, 16), (1, 130, 2, 33, 9, 64)])
-@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
-def test_chunked_equals_loop(B, T, H, K, V, BT, h0):
+@pytest.mark.parametrize("h0,scale", [(True, None), (False, 0.3)], ids=["h0", "no-h0-scale0.3"])
+def test_chunked_equals_loop(B, T, H, K, V, BT, h0, scale):
     q, k, v, beta, s0 = _inputs(B, T, H, K, V, h0)
-    o, h, ht = delta.recurrent_delta(q, k, v, beta, s0, chunk_size=BT)
-    o2, h2, ht2, v_new = delta.chunked_delta(q, k, v, beta, s0, chunk_size=BT)
+    o, h, ht = delta.recurrent_delta(q, k, v, beta, s0, scale=scale, chunk_size=BT)
+    o2, h2, ht2, v_new = delta.chunked_delta(q, k, v, beta, s0, scale=scale, chunk_size=BT)
     for name, got, ref in (("o", o2, o), ("h", h2, h), ("ht", ht2, ht)):
         check_close(got, ref, f"chunked {name} vs the loop", 1e-12)
     assert v_new.shape == v.shape

@@ -29,3 +29,8 @@ def test_wrong_answer_rejected(knob):
 def test_wrong_shape_rejected():
     with pytest.raises(AssertionError, match=r"must return a tensor \[L, L\]"):
         ex.check_ut_transform(lambda k, beta: _ut(k, beta)[:, :1])
+
+
+def test_float32_answer_rejected_saying_why():
+    with pytest.raises(AssertionError, match="must compute in float64"):
+        ex.check_ut_transform(lambda k, beta: _ut(k, beta).float())

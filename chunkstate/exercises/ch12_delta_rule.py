@@ -41,6 +41,8 @@ def check_ut_transform(fn=None) -> None:
         if not isinstance(T, torch.Tensor) or tuple(T.shape) != (L, L):
             raise AssertionError(f"{name} must return a tensor [L, L] = [{L}, {L}], got "
                                  f"{tuple(T.shape) if isinstance(T, torch.Tensor) else type(T).__name__} ({where})")
+        if T.dtype != torch.float64:
+            raise AssertionError(f"{name} must compute in float64 (k and beta are float64), got {T.dtype} ({where})")
         check_close(T, ut_transform(k, beta), f"{name}: T ({where})", 1e-10)
         _, _, after = recurrent_delta(torch.zeros(1, L, 1, K), k[None, :, None], v[None, :, None],
                                       beta[None, :, None], h[None, None], chunk_size=L)
