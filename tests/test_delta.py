@@ -66,3 +66,17 @@ def test_chunk_fwd_h_with_v_new_gives_the_delta_states(BT, device):
                                      chunk_size=BT, output_final_state=True)
     check_close(hk, h, f"chunk_fwd_h(k, v_new) vs the delta rule's states (BT={BT})", state_tolerance(torch.float32))
     check_close(htk, ht, f"chunk_fwd_h(k, v_new) final state (BT={BT})", state_tolerance(torch.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_matches_fla_chunk_delta_rule(fla_one_config):
+    """fla-core 0.6.0's ``chunk_delta_rule`` (bf16 inputs, its own Triton kernels) against this
+    module's loop on the same bf16-rounded inputs: outputs and final state, with h0 and a ragged
+    last chunk. An outside anchor for the chapter's semantics (``v − Sᵀk``, β, the scale)."""
+    fla_delta = pytest.importorskip("fla.ops.delta_rule")
+    q, k, v, beta, s0 = _inputs(2, 300, 4, 64, 48, device="cuda")
+    q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+    o, _, ht = delta.recurrent_delta(q, k, v, beta, s0)
+    o_fla, ht_fla = fla_delta.chunk_delta_rule(q, k, v, beta, initial_state=s0.float(), output_final_state=True)
+    check_close(o_fla, o, "fla's chunk_delta_rule outputs vs the loop", state_tolerance(torch.bfloat16))
+    check_close(ht_fla, ht, "fla's chunk_delta_rule final state vs the loop", state_tolerance(torch.bfloat16))
