@@ -220,6 +220,22 @@ def test_intra_attention_is_its_definition(BT, strength):
     check_close(dk, dk_ref, f"dk, BT={BT}", 1e-5)
 
 
+@pytest.mark.parametrize("BT", [16, 64])
+def test_halving_figure_matches_the_code(BT):
+    """figures/intra_halving.png colours entry (i, j) by ``figures.layer.level_of``: the level
+    ``gla._quadrants`` fills it at (each entry below the diagonal exactly once)."""
+    from chunkstate.figures import layer
+
+    filled = torch.zeros(BT, BT, dtype=torch.long)
+    for half in gla._levels(BT):
+        M = torch.zeros(1, 1, BT, BT)
+        gla._quadrants(M, half).fill_(1)
+        filled += M[0, 0].long()
+        for i, j in M[0, 0].nonzero().tolist():
+            assert j < i and layer.level_of(i, j) == half, (i, j, half)
+    assert torch.equal(filled, torch.ones(BT, BT, dtype=torch.long).tril(-1))
+
+
 def test_chunk_size_does_not_change_the_result(device):
     """The same call with BT = 16, 32, 64, 128: the outputs and gradients agree to rounding."""
     x, cu_seqlens, do, dht = make_inputs(1, 90, 1, 12, 10, ("g", "gk"), True, [0, 0, 90], device=device)
