@@ -35,9 +35,7 @@ import math
 
 import torch
 
-
-def _f64(x):
-    return None if x is None else x.detach().to(torch.float64)
+from .reference import _f64
 
 
 def recurrent_delta(q, k, v, beta, h0=None, scale=None, chunk_size=64):
