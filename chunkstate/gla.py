@@ -70,8 +70,8 @@ Design choices, each for clarity or safety:
 - **Speed.** The intra-chunk part is written for reading, not speed: a few dozen PyTorch ops
   with fp32 temporaries of q's size, where fla fuses it into Triton kernels.
   ``bench_against_fla`` times both on a GPU: on the H200 at B8 T4096 H16 K = V = 128, bf16,
-  gate gk, this op's forward took 15.8 ms and fla's 1.36 ms (2026-12-02, before the halving
-  above replaced 16-token sub-chunks and a per-column loop; not re-timed since).
+  gate gk, this op's forward took 11.4 ms and forward + backward 42.1 ms, fla's 1.36 ms and
+  5.82 ms (2026-12-02, commit c670d0c).
 """
 from __future__ import annotations
 
