@@ -703,17 +703,33 @@ def _timed(lib, jit, case, inp, **extra) -> tuple[dict, torch.Tensor | None]:
         return {"error": f"{type(e).__name__}: {str(e)[:500]}"}, None
 
 
+def _configs_run(autotuners, timed):
+    """Run ``timed()`` (a ``_timed`` call) and add to its entry, under ``"configs"``, the config
+    each of these autotuners ran last, by kernel name: (BK, BV, warps, stages). With pieces the
+    forward's autotuner runs twice (two keys); the entry holds the storing pass's config."""
+    for at in autotuners:
+        at.best_config = None
+    entry, out = timed()
+    chosen = {getattr(getattr(at, "base_fn", None), "__name__", "kernel"): list(_cfg_tuple(at.best_config))
+              for at in autotuners if getattr(at, "best_config", None) is not None}
+    if chosen and "error" not in entry:
+        entry["configs"] = chosen
+    return entry, out
+
+
 def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float) -> dict:
     r = new_result(case, case_pieces(case))
     out = None
+    ours_at, fla_at = getattr(libs, "ours_autotuners", []), getattr(libs, "fla_autotuners", [])
     if case.direction == "bwd" and libs.ours.chunk_bwd_dh is None:
         r["ours"] = {"error": libs.ours_error}
     else:
-        r["ours"], out = _timed(libs.ours, libs.ours_jit, case, inp)
+        r["ours"], out = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp))
         if r["pieces"] > 1 and r["ours"].get("ms"):  # what the pieces bought (or cost): one pass too
-            r["ours_one_pass"], _ = _timed(libs.ours, libs.ours_jit, case, inp, pieces=1)
+            r["ours_one_pass"], _ = _configs_run(
+                ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp, pieces=1))
     if libs.fla is not None:
-        r["fla"], ref = _timed(libs.fla, libs.fla_jit, case, inp)
+        r["fla"], ref = _configs_run(fla_at, lambda: _timed(libs.fla, libs.fla_jit, case, inp))
         r["fla"]["valid"] = case.fla_valid
         if not case.fla_valid:
             r["fla"]["note"] = "fla wrong: its backward with split_size > chunk_size stores the wrong gradient"

@@ -339,6 +339,9 @@ def test_run_case_plumbing(cpu_run):
         assert r["fla"]["valid"] == case.fla_valid
         assert (r["fla_over_ours"] is None) == (not case.fla_valid)
         assert r["total_bytes"] == sum(bench.unique_bytes(case).values()) and r["pieces"] == 1
+        # the config each side's autotuner ran, by kernel (the interpreter has one config)
+        kernel = "chunk_fwd_kernel_h" if case.direction == "fwd" else "chunk_bwd_kernel_dh"
+        assert r["ours"]["configs"] == {kernel: [64, 64, 4, 1]}
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
