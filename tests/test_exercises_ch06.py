@@ -61,6 +61,18 @@ def _not_tensors(h, cu_seqlens, split_size):
     return [p.tolist() for p in ex.states_per_sequence(h, cu_seqlens, split_size)]
 
 
+def test_fresh_lengths_always_tell_chunk_offsets_from_split_offsets():
+    """The checker's lengths must catch ``_by_chunk_size`` on every draw, not most: its offsets
+    (counted in chunks of 16) must differ from the split offsets (splits of 32) before the last
+    sequence. When every sequence but the last fit one chunk they agreed, and the wrong answer
+    passed (about one run in 17 with the earlier lengths)."""
+    for _ in range(500):
+        lens = ex._lengths()
+        by_chunks = [sum(-(-L // 16) for L in lens[:n]) for n in range(len(lens))]
+        by_splits = [sum(-(-L // 32) for L in lens[:n]) for n in range(len(lens))]
+        assert by_chunks[-1] != by_splits[-1], lens
+
+
 @pytest.mark.parametrize("wrong", [_by_chunk_size, _by_token_offsets, _skips_empty, _not_tensors])
 def test_states_per_sequence_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):

@@ -33,9 +33,11 @@ def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _lengths() -> list[int]:
-    """Fresh ragged lengths: a one-token and an empty sequence first, three random ones, and one
-    of 33-47 tokens last (more than two splits of 16, a ragged end, more than one split of 32)."""
-    return [1, 0] + [random.randint(2, 40) for _ in range(3)] + [random.randint(33, 47)]
+    """Fresh ragged lengths: a one-token and an empty sequence first, then one of 17-40 tokens
+    (more than one split of 16, so offsets counted in the wrong unit shift every later sequence),
+    two random ones, and one of 33-47 tokens last (more than two splits of 16, a ragged end, more
+    than one split of 32)."""
+    return [1, 0, random.randint(17, 40)] + [random.randint(2, 40) for _ in range(2)] + [random.randint(33, 47)]
 
 
 def check_pack(fn=None) -> None:
