@@ -182,7 +182,7 @@ def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
                 STATE_V_FIRST=state_v_first, STORE_STATES=dh is not None, STORE_DECAY=decay_k is not None)
 
     def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+        return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     if config is None:
         _tuned_backward[grid](**args)

@@ -210,7 +210,7 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
                 STORE_STATES=h is not None, STORE_DECAY=decay_k is not None)
 
     def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+        return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     if config is None:
         _tuned_forward[grid](**args)

@@ -35,12 +35,12 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
     half the SMs and sequences are long; then enough pieces for about two waves."""
     if INTERPRET:
         return 1
-    programs = N * H * triton.cdiv(K, 64) * triton.cdiv(V, 64)
+    programs = N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
     sms = _tuning.sm_count()
     if programs == 0 or programs >= sms // 2:
         return 1
     most = max_len // max(MIN_PIECE_TOKENS, BS)
-    return max(1, min(triton.cdiv(2 * sms, programs), most))
+    return max(1, min(_host.cdiv(2 * sms, programs), most))
 
 
 def choose(pieces, N: int, H: int, K: int, V: int, lengths: list[int], BS: int) -> int:
@@ -59,7 +59,7 @@ def plan(lengths: list[int], BS: int, pieces: int) -> tuple[list[int], list[int]
     (the first piece of each sequence, [N + 1]). An empty sequence owns no piece.
     """
     longest = max(lengths, default=0)
-    piece_len = max(BS, triton.cdiv(triton.cdiv(longest, max(pieces, 1)), BS) * BS)
+    piece_len = max(BS, _host.cdiv(_host.cdiv(longest, max(pieces, 1)), BS) * BS)
     cu_pieces, seq_pieces, pos = [0], [0], 0
     for L in lengths:
         for start in range(0, L, piece_len):
@@ -117,8 +117,8 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
     S = torch.empty_like(F)
     if N * H == 0:
         return S
-    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
-    grid = (triton.cdiv(K, BK) * triton.cdiv(V, BV) * N * H,)
+    BK, BV = min(64, _host.next_power_of_2(K)), min(64, _host.next_power_of_2(V))
+    grid = (_host.cdiv(K, BK) * _host.cdiv(V, BV) * N * H,)
     piece_scan_kernel[grid](F, decay_k, decay_v, s0, S, s_end, seq_pieces, H=H, K=K, V=V, BK=BK, BV=BV,
                             USE_DECAY_V=decay_v is not None, USE_S0=s0 is not None,
                             STORE_END=s_end is not None, REVERSE=reverse, STATE_V_FIRST=state_v_first,

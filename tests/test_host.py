@@ -184,3 +184,15 @@ def test_dense_pieces_never_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_cdiv_and_next_power_of_2_match_triton():
+    """The wrappers' plain-Python ``cdiv`` / ``next_power_of_2`` give Triton's answers."""
+    import triton
+    for a in range(0, 300):
+        assert _host.next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 63, 64, 100, 256):
+            assert _host.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for a in (2**31 - 1, 2**31, 2**40 + 3):
+        assert _host.next_power_of_2(a) == triton.next_power_of_2(a)
+        assert _host.cdiv(a, 64) == triton.cdiv(a, 64)
