@@ -16,25 +16,51 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 from . import _host
 from .env import INTERPRET
 
 
-def _config(BK, BV, warps, stages):
-    return triton.Config({"BK": BK, "BV": BV}, num_warps=warps, num_stages=stages)
+def _config(BK, BV, warps, stages, tma=False):
+    return triton.Config({"BK": BK, "BV": BV, "USE_TMA": tma}, num_warps=warps, num_stages=stages)
 
+
+def key(cfg: triton.Config) -> tuple[int, int, int, int, bool]:
+    """(BK, BV, num_warps, num_stages, USE_TMA) of a config (USE_TMA False where it is not set)."""
+    return (cfg.kwargs["BK"], cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages,
+            bool(cfg.kwargs.get("USE_TMA", False)))
+
+
+def name(cfg: triton.Config) -> str:
+    """A config as text: ``BK64-BV64-w4-s4`` (``-tma`` when it loads through tensor descriptors)."""
+    BK, BV, w, s, tma = key(cfg)
+    return f"BK{BK}-BV{BV}-w{w}-s{s}" + ("-tma" if tma else "")
+
+
+# Tiles loaded with pointer arithmetic (USE_TMA False).
+POINTER_CONFIGS = [_config(BK, BV, w, s)
+                   for BK in (32, 64, 128) for BV in (32, 64, 128)
+                   for w in (2, 4, 8) for s in (2, 3, 4, 5)
+                   if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)
+                   # 5 stages only for tiles up to 64×64 (the low-occupancy candidates). 128×32 with 5
+                   # stages failed the every-config test on the H200 (bf16, gates g and gk; the cause
+                   # was not captured): by count its 4 prefetched stages of k, v, g, gk alone hold
+                   # ~210 KB of Hopper's 227 KB of shared memory.
+                   and (s < 5 or (w >= 4 and BK <= 64 and BV <= 64))]
+
+# Tiles loaded by the Tensor Memory Accelerator (Hopper's TMA, through ``tl.make_tensor_descriptor``):
+# the copy engine writes them into shared memory, so a program holds no per-element pointers and
+# masks (compiled for sm_90, the pointer configs at 64×64 use all 255 registers and spill 0.9-1.7 KB
+# per thread with a key gate; these use 80-150 registers and spill nothing), and deeper prefetch is
+# cheap. On the H200 (bf16, K = V = 128) the key-gated forward at B1 T65536 H32 went from 1.272 to
+# 0.962 ms (``candidates`` below).
+TMA_CONFIGS = [_config(BK, BV, w, s, True) for BK, BV, w, s in (
+    (32, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 3),
+    (128, 64, 8, 3))]
 
 # Every config that may ever run on a GPU (the compile-only test compiles each one for sm_90).
-ALL_CONFIGS = [_config(BK, BV, w, s)
-               for BK in (32, 64, 128) for BV in (32, 64, 128)
-               for w in (2, 4, 8) for s in (2, 3, 4, 5)
-               if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)
-               # 5 stages only for tiles up to 64×64 (the low-occupancy candidates). 128×32 with 5
-               # stages failed the every-config test on the H200 (bf16, gates g and gk; the cause
-               # was not captured): by count its 4 prefetched stages of k, v, g, gk alone hold
-               # ~210 KB of Hopper's 227 KB of shared memory.
-               and (s < 5 or (w >= 4 and BK <= 64 and BV <= 64))]
+ALL_CONFIGS = POINTER_CONFIGS + TMA_CONFIGS
 
 # The interpreter's single config: one tile covers K, V <= 64 (few programs: fast on CPU).
 INTERPRETER_CONFIG = _config(64, 64, 4, 1)
@@ -67,8 +93,12 @@ def grid_bucket(num_heads_total: int) -> int:
     return len(bucket_limits())
 
 
-def candidates(K: int, V: int, bucket: int) -> list[tuple[int, int, int, int]]:
-    """The short list (BK, BV, num_warps, num_stages) tried for one key.
+def candidates(K: int, V: int, bucket: int, tma: bool = False,
+               vector_gates: bool = False) -> list[tuple[int, int, int, int, bool]]:
+    """The short list (BK, BV, num_warps, num_stages, USE_TMA) tried for one key.
+
+    ``tma``: the inputs can be loaded through tensor descriptors (``tma_usable``);
+    ``vector_gates``: a key or value gate (gk / gv) is given.
 
     Chosen from a sweep of every config on an H200 (bf16, K = V = 128 and 64/256, g and gk gates;
     ``python -m chunkstate.bench --sweep``): under an eighth of a wave the winners are small tiles
@@ -78,14 +108,71 @@ def candidates(K: int, V: int, bucket: int) -> list[tuple[int, int, int, int]]:
     64×128 or 64×64; beyond, 128×64 / 64×128. In bucket 1, 32×64 with 8 warps and 3 stages is
     there for the backward: at B1 T65536 H32 it ran in 0.907 ms against 1.130 ms for the best
     64×64 config and 0.954 ms for fla's autotuned kernel (H200, bf16, g).
+
+    With a vector gate and TMA, TMA configs and one pointer config: below a full wave the TMA
+    loads win by 1.3-1.6× (H200, bf16, gk, B1 T65536 H32: forward 0.962 vs 1.272 ms, backward
+    0.863 vs 1.227 ms); from a full wave on they tie with the best pointer config, which stays in
+    the list (backward, B8 T4096 H16: pointer 0.202, TMA 0.209 ms; B4 T4096 H64: 0.392 vs 0.418).
+    With scalar gates the pointer configs tie with TMA or win, except at an eighth to a quarter of
+    a wave (B1 T65536 H32: 64×64 with 4 warps and 4 stages 0.704 ms, the pointer configs' best
+    0.712 ms). Deeper TMA pipelines (6 stages:
+    0.694 ms) do not fit the 227 KB of shared memory once gk and gv are both given.
     """
+    if tma and vector_gates:
+        if bucket == 0:
+            return [(32, 32, 4, 4, True), (64, 64, 4, 4, True)]
+        if bucket == 1:
+            return [(64, 64, 4, 4, True), (32, 64, 4, 4, True), (64, 64, 4, 3, True)]
+        if bucket == 2:  # pointer 64×128 won here with gk at B8 T4096 H16 (0.201 vs 0.209 ms)
+            return [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False)]
+        # pointer 64×128 with 4 warps won the backward at B4 T4096 H64 (0.392 vs 0.418 ms)
+        return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False)]
     if bucket == 0:
-        return [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
-    if bucket == 1:
-        return [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 5), (32, 32, 4, 4), (32, 64, 8, 3)]
-    if bucket == 2:
-        return [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2)]
-    return [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3)]
+        out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
+    elif bucket == 1:
+        out = [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 5), (32, 32, 4, 4), (32, 64, 8, 3)]
+    elif bucket == 2:
+        out = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2)]
+    else:
+        out = [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3)]
+    out = [(*t, False) for t in out]
+    if tma and bucket == 1:
+        out.append((64, 64, 4, 4, True))
+    return out
+
+
+def tma_usable(*tensors) -> bool:
+    """Whether every given tensor (None skipped) can be read through a TMA tensor descriptor of
+    rows [T, heads, D]: the GPU has a TMA (compute capability 9 or newer; the interpreter emulates
+    one), this Triton has ``tl.make_tensor_descriptor``, and each tensor is contiguous with its
+    start and rows 16-byte aligned (D · element size a multiple of 16)."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return False
+    return True
+
+
+def ensure_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need a scratch allocator (128 bytes per
+    descriptor per program); set one backed by torch's caching allocator unless the caller (or a
+    library such as fla) has set their own."""
+    try:
+        from triton.runtime import _allocation
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):
+        unset = True
+    if unset:
+        triton.set_allocator(_torch_allocator)
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def prune(configs, named_args, **kwargs):
@@ -94,12 +181,15 @@ def prune(configs, named_args, **kwargs):
         return configs
     args = {**named_args, **kwargs}
     K, V, bucket = args["K"], args["V"], args["GRID"]
+    tma = bool(args.get("TMA_OK", False))
+    vector_gates = bool(args.get("USE_GK", False) or args.get("USE_GV", False))
     want = []
-    for BK, BV, w, s in candidates(K, V, bucket):
+    for BK, BV, w, s, use_tma in candidates(K, V, bucket, tma, vector_gates):
         BK = min(BK, max(16, _host.next_power_of_2(K)))
         BV = min(BV, max(16, _host.next_power_of_2(V)))
-        want.append((BK, BV, w, s))
-    kept = [c for c in configs if (c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) in want]
-    missing = [t for t in want if t not in {(c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) for c in kept}]
-    kept += [_config(*t) for t in dict.fromkeys(missing)]
+        want.append((BK, BV, w, s, use_tma))
+    want = list(dict.fromkeys(want))
+    kept = [c for c in configs if key(c) in want]
+    have = {key(c) for c in kept}
+    kept += [_config(*t) for t in want if t not in have]
     return kept

@@ -26,12 +26,12 @@ import triton.language as tl
 
 from . import _host, _tuning, _validate
 from . import pieces as _pieces
-from .forward import _load_state, _program_tile, _sequence, _store_state
+from .forward import _check_tma_config, _load_state, _program_tile, _rows_descriptor, _sequence, _store_state
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
 # miscompile this kernel on Hopper (fla keeps it dynamic for the same reason).
-@triton.jit(do_not_specialize=["T", "scale", "GRID"])
+@triton.jit(do_not_specialize=["T", "scale", "GRID", "TMA_OK"])
 def chunk_bwd_kernel_dh(
     q,  # [B, T, HQ, K]
     do,  # [B, T, HQ, V]  gradient of the outputs
@@ -49,6 +49,7 @@ def chunk_bwd_kernel_dh(
     scale,
     T,
     GRID,  # autotune key only, never specialised: N·H relative to the SM count (see _tuning)
+    TMA_OK,  # autotune key only: 1 when q, do, gk, gv can be read through TMA descriptors
     H: tl.constexpr,
     NG: tl.constexpr,  # G: query heads per KV head (HQ = NG·H)
     K: tl.constexpr,
@@ -67,6 +68,7 @@ def chunk_bwd_kernel_dh(
     STATE_V_FIRST: tl.constexpr,
     STORE_STATES: tl.constexpr = True,  # False: only dh0 (and decays) — the pieces' first pass
     STORE_DECAY: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,  # load q, do, gk, gv through TMA descriptors (a config choice)
 ):
     HQ: tl.constexpr = H * NG
     i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
@@ -83,6 +85,14 @@ def chunk_bwd_kernel_dh(
     # p_q0 + t·HQ·K + j·K.
     p_q0 = q + (bos * HQ + i_h * NG) * K
     p_do0 = do + (bos * HQ + i_h * NG) * V
+    if USE_TMA:
+        d_q = _rows_descriptor(q, bos, T, HQ, K, BT, BK)
+        d_do = _rows_descriptor(do, bos, T, HQ, V, BT, BV)
+        if USE_GK:
+            d_gk = _rows_descriptor(gk, bos, T, H, K, BT, BK)
+        if USE_GV:
+            d_gv = _rows_descriptor(gv, bos, T, H, V, BT, BV)
+        i_h32 = i_h.to(tl.int32)  # descriptor coordinates are int32
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if USE_FINAL_STATE_GRADIENT:
@@ -119,21 +129,33 @@ def chunk_bwd_kernel_dh(
             b_gq += b_gamma * (o_t + 1).to(tl.float32)
             if STORE_DECAY:
                 b_dk += b_gamma * (last - t0 + 1).to(tl.float32)
+        # q's factor scale·2^{G}: [BK, BT] like q's pointer tile, or [BT, BK] like its TMA box (q
+        # is transposed after the product there, which needs one shared-memory buffer less than
+        # transposing q and gk first). Rows past T are 0 with pointers; TMA zero-fills q there.
         if USE_GK:  # key-side gate: q per key, rows of dh
             p_gk0 = gk + (bos * H + i_h) * K
-            b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                           other=0.0).to(tl.float32)  # [BK, BT]
+            if USE_TMA:
+                b_gk = d_gk.load([i_t * BT, i_h32, i_k * BK]).reshape(BT, BK).to(tl.float32)  # [BT, BK]
+                b_qf = scale * tl.math.exp2(b_gk + b_gq[:, None])  # [BT, BK]
+            else:
+                b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                               other=0.0).to(tl.float32)  # [BK, BT]
+                b_qf = tl.where(m_t[None, :], scale * tl.math.exp2(b_gk + b_gq[None, :]), 0.0)  # [BK, BT]
             b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             b_dh *= tl.math.exp2(b_gk_last)[:, None]
             if STORE_DECAY:
                 b_dk += b_gk_last
-            b_qf = tl.where(m_t[None, :], scale * tl.math.exp2(b_gk + b_gq[None, :]), 0.0)  # [BK, BT]
+        elif USE_TMA:
+            b_qf = (scale * tl.math.exp2(b_gq))[:, None]  # [BT, 1]
         else:
             b_qf = tl.where(m_t, scale * tl.math.exp2(b_gq), 0.0)[None, :]  # [1, BT]
         if USE_GV:  # value-side gate: do per value, columns of dh
             p_gv0 = gv + (bos * H + i_h) * V
-            b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)  # [BT, BV]
+            if USE_TMA:
+                b_gv = d_gv.load([i_t * BT, i_h32, i_v * BV]).reshape(BT, BV).to(tl.float32)
+            else:
+                b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                               other=0.0).to(tl.float32)  # [BT, BV]
             b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
             b_dh *= tl.math.exp2(b_gv_last)[None, :]
             if STORE_DECAY:
@@ -144,12 +166,17 @@ def chunk_bwd_kernel_dh(
         # tl.static_range: the software pipeliner multi-buffers every unrolled head's tiles (fp32
         # with G = 8 then needs 320 KB of shared memory at BK = BV = 64, over an H200's 227 KB).
         for i_g in range(NG):
-            # q is loaded transposed, [BK, BT], so each head's update is one [BK, BT] @ [BT, BV] dot.
-            b_q = tl.load(p_q0 + i_g * K + rows[None, :] * (HQ * K) + o_k[:, None],
-                          mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, BT]
-            b_do = tl.load(p_do0 + i_g * V + rows[:, None] * (HQ * V) + o_v[None, :],
-                           mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV]
-            b_q = (b_q.to(tl.float32) * b_qf).to(q.dtype.element_ty)
+            # q is used transposed, [BK, BT], so each head's update is one [BK, BT] @ [BT, BV] dot.
+            if USE_TMA:
+                b_q = d_q.load([i_t * BT, i_h32 * NG + i_g, i_k * BK]).reshape(BT, BK)  # [BT, BK]
+                b_q = tl.trans((b_q.to(tl.float32) * b_qf).to(q.dtype.element_ty))  # [BK, BT]
+                b_do = d_do.load([i_t * BT, i_h32 * NG + i_g, i_v * BV]).reshape(BT, BV)  # [BT, BV]
+            else:
+                b_q = tl.load(p_q0 + i_g * K + rows[None, :] * (HQ * K) + o_k[:, None],
+                              mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, BT]
+                b_q = (b_q.to(tl.float32) * b_qf).to(q.dtype.element_ty)
+                b_do = tl.load(p_do0 + i_g * V + rows[:, None] * (HQ * V) + o_v[None, :],
+                               mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV]
             if USE_GV:
                 b_do = (b_do.to(tl.float32) * b_dof).to(q.dtype.element_ty)
             # [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
@@ -172,10 +199,14 @@ def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
     B, T, HQ, _ = q.shape
     if N * H * K * V == 0:
         return
+    tma_ok = _tuning.tma_usable(q, do, gk, gv)
+    _check_tma_config(config, tma_ok, "q, do, gk, gv")
+    if tma_ok and q.is_cuda:
+        _tuning.ensure_allocator()
     args = dict(q=q, do=do, dh=dh, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=dht, dh0=dh0,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 scale=scale, T=T, H=H, NG=HQ // H,
-                K=K, V=V, BT=BT, BS=BS, GRID=_tuning.grid_bucket(N * H),
+                K=K, V=V, BT=BT, BS=BS, GRID=_tuning.grid_bucket(N * H), TMA_OK=int(tma_ok),
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
                 STORE_INITIAL_STATE_GRADIENT=dh0 is not None, IS_VARLEN=cu_seqlens is not None,
@@ -193,7 +224,7 @@ def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
 
 _tuned_backward = triton.autotune(
     configs=_tuning.CONFIGS,
-    key=["K", "V", "NG", "BT", "BS", "GRID", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
+    key=["K", "V", "NG", "BT", "BS", "GRID", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
          "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
     prune_configs_by={"early_config_prune": _tuning.prune},
 )(chunk_bwd_kernel_dh)

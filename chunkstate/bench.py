@@ -385,12 +385,17 @@ def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> i
         _pieces.INTERPRET = saved
 
 
-def _candidates(K: int, V: int, bucket: int) -> list[tuple]:
-    return [_cfg_tuple(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, {"K": K, "V": V, "GRID": bucket})]
+def _candidates(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
+    """The configs chunkstate's autotuner tries for one key, on a GPU where TMA loads are usable
+    (bf16 inputs at K, V multiples of 8)."""
+    tma = int(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and K % 8 == 0 and V % 8 == 0)
+    args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gate == "gk"}
+    return [_cfg_tuple(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
 
 
-def _cfg_tuple(c) -> tuple[int, int, int, int]:
-    return c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages
+def _cfg_tuple(c) -> tuple:
+    """(BK, BV, warps, stages, USE_TMA) of any config (fla's: USE_TMA False)."""
+    return _tuning.key(c)
 
 
 def _backward_grid_specialised() -> bool:
@@ -431,16 +436,16 @@ def ours_launches(case: Case) -> list[tuple[tuple, list[tuple]]]:
         bucket = _tuning.grid_bucket(s.N * s.H)
         key = ("bwd", case.gate, case.states, case.BS, K, V, varlen)
         key += (bucket,) if _backward_grid_specialised() else ()
-        return [(key, _candidates(K, V, bucket))]
+        return [(key, _candidates(K, V, bucket, case.gate))]
     P = case_pieces(case)
     base = ("fwd", case.gate, case.BS, K, V)
     if P == 1:
-        return [((*base, case.states, varlen, "states"), _candidates(K, V, _tuning.grid_bucket(s.N * s.H)))]
+        return [((*base, case.states, varlen, "states"), _candidates(K, V, _tuning.grid_bucket(s.N * s.H), case.gate))]
     cu, _ = _pieces.plan(s.lengths, case.BS, P)
     bucket = _tuning.grid_bucket((len(cu) - 1) * s.H)
-    return [((*base, "pieces: final states and decays"), _candidates(K, V, bucket)),
+    return [((*base, "pieces: final states and decays"), _candidates(K, V, bucket, case.gate)),
             (("pieces: scan", K, V), [None]),
-            ((*base, case.states, "pieces: states"), _candidates(K, V, bucket))]
+            ((*base, case.states, "pieces: states"), _candidates(K, V, bucket, case.gate))]
 
 
 def fla_key(case: Case) -> tuple:
@@ -543,10 +548,10 @@ def n_compiled(jit_functions) -> int | None:
 
 def restrict_configs(autotuner, wanted=FLA_CONFIGS) -> list[tuple]:
     """Keep only ``wanted`` (BK, BV, warps, stages) among an autotuner's own configs; return the kept."""
-    kept = [c for c in autotuner.configs if _cfg_tuple(c) in wanted]
+    kept = [c for c in autotuner.configs if _cfg_tuple(c)[:4] in wanted]
     if kept:
         autotuner.configs = kept
-    return [_cfg_tuple(c) for c in autotuner.configs]
+    return [_cfg_tuple(c)[:4] for c in autotuner.configs]
 
 
 def do_bench(fn) -> dict:
@@ -673,7 +678,7 @@ class Libraries:
         for at in self.fla_autotuners:
             at.cache_results = False
             name = getattr(getattr(at, "base_fn", None), "__name__", f"autotuner {len(kept)}")
-            kept[name] = [_cfg_tuple(c) for c in at.configs] if fla_all_configs else restrict_configs(at)
+            kept[name] = [_cfg_tuple(c)[:4] for c in at.configs] if fla_all_configs else restrict_configs(at)
         counts = sorted({len(v) for v in kept.values()})
         note = (f"all of fla's own configs ({'/'.join(map(str, counts))})" if fla_all_configs else
                 f"restricted to {'/'.join(map(str, counts))} of its 48 configs (H200 winners; "
@@ -909,7 +914,7 @@ def run_sweep(shapes, args, cache: dict) -> dict:
                         entry.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                     timings.append(entry)
                 ranked = sorted((t for t in timings if t.get("ms")), key=lambda t: t["ms"])
-                chosen = [list(t) for t in _candidates(shape.D, shape.D, bucket)]
+                chosen = [list(t) for t in _candidates(shape.D, shape.D, bucket, case.gate)]
                 for t in ranked[:8]:
                     t["candidate"] = t["config"] in chosen
                 report["sweep"].append({"case": case.label, "shape": shape.label, "direction": direction,
@@ -928,6 +933,7 @@ def run_sweep(shapes, args, cache: dict) -> dict:
         print(f"{s['case']} (grid bucket {s['grid_bucket']}; * = in _tuning.candidates):")
         for t in s["top"]:
             print(f"  BK={t['config'][0]:3d} BV={t['config'][1]:3d} warps={t['config'][2]} stages={t['config'][3]}"
+                  f"{' tma' if t['config'][4:5] == [True] else ''}"
                   f"  {t['ms']:.4f} ms  {t['tbps']:.2f} TB/s {'*' if t['candidate'] else ''}")
     print(f"wrote {json_path}")
     return report

@@ -71,7 +71,17 @@ def _sequence(i_n, T, cu_seqlens, split_offsets, BS: tl.constexpr, IS_VARLEN: tl
     return bos, T, boh
 
 
-@triton.jit(do_not_specialize=["T", "GRID"])
+@triton.jit
+def _rows_descriptor(x, bos, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """A TMA descriptor over one sequence's rows of x [.., T, H, D] (from token ``bos``), read in
+    [BT, 1, BD] boxes: tokens at or past T and columns at or past D arrive as zeros, so a chunk
+    needs no masks and never reads the next sequence."""
+    # an empty sequence loads nothing, but its descriptor still needs a non-zero extent
+    return tl.make_tensor_descriptor(x + bos * H * D, shape=[tl.maximum(T, 1), H, D], strides=[H * D, D, 1],
+                                     block_shape=[BT, 1, BD])
+
+
+@triton.jit(do_not_specialize=["T", "GRID", "TMA_OK"])
 def chunk_fwd_kernel_h(
     k,  # [B, T, H, K]
     v,  # [B, T, H, V]
@@ -88,6 +98,7 @@ def chunk_fwd_kernel_h(
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     T,
     GRID,  # autotune key only, never specialised: N·H relative to the SM count (see _tuning)
+    TMA_OK,  # autotune key only: 1 when k, v, gk, gv can be read through TMA descriptors
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -105,11 +116,20 @@ def chunk_fwd_kernel_h(
     STATE_V_FIRST: tl.constexpr,
     STORE_STATES: tl.constexpr = True,  # False: only ht (and decays) — the pieces' first pass
     STORE_DECAY: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
 ):
     i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)
     bos, T, boh = _sequence(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
+    if USE_TMA:
+        d_k = _rows_descriptor(k, bos, T, H, K, BT, BK)
+        d_v = _rows_descriptor(v, bos, T, H, V, BT, BV)
+        if USE_GK:
+            d_gk = _rows_descriptor(gk, bos, T, H, K, BT, BK)
+        if USE_GV:
+            d_gv = _rows_descriptor(gv, bos, T, H, V, BT, BV)
+        i_h32 = i_h.to(tl.int32)  # descriptor coordinates are int32
 
     o_t = tl.arange(0, BT)  # [BT]
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]
@@ -138,9 +158,13 @@ def chunk_fwd_kernel_h(
         rows = t0 + o_t  # [BT] token index inside the sequence
         m_t = rows < T
         last = tl.minimum(t0 + BT, T) - 1  # last valid token of the chunk
-        # k is loaded transposed, [BK, BT], so the chunk's update is one [BK, BT] @ [BT, BV] dot.
-        b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        # k is used transposed, [BK, BT], so the chunk's update is one [BK, BT] @ [BT, BV] dot.
+        if USE_TMA:
+            b_k = tl.trans(d_k.load([i_t * BT, i_h32, i_k * BK]).reshape(BT, BK))
+            b_v = d_v.load([i_t * BT, i_h32, i_v * BV]).reshape(BT, BV)
+        else:
+            b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         if USE_G or USE_G_GAMMA or USE_GV:
             b_v = b_v.to(tl.float32)
         if USE_GK:
@@ -162,8 +186,11 @@ def chunk_fwd_kernel_h(
                 b_dk += b_gg_last
         if USE_GK:  # key-side gate: columns of kᵀ, rows of h
             p_gk0 = gk + (bos * H + i_h) * K
-            b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                           other=0.0).to(tl.float32)  # [BK, BT]
+            if USE_TMA:
+                b_gk = tl.trans(d_gk.load([i_t * BT, i_h32, i_k * BK]).reshape(BT, BK)).to(tl.float32)
+            else:
+                b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                               other=0.0).to(tl.float32)  # [BK, BT]
             b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             b_h *= tl.math.exp2(b_gk_last)[:, None]
             b_k *= tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
@@ -171,8 +198,11 @@ def chunk_fwd_kernel_h(
                 b_dk += b_gk_last
         if USE_GV:  # value-side gate: columns of v and of h
             p_gv0 = gv + (bos * H + i_h) * V
-            b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)  # [BT, BV]
+            if USE_TMA:
+                b_gv = d_gv.load([i_t * BT, i_h32, i_v * BV]).reshape(BT, BV).to(tl.float32)
+            else:
+                b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                               other=0.0).to(tl.float32)  # [BT, BV]
             b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
             b_h *= tl.math.exp2(b_gv_last)[None, :]
             b_v *= tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
@@ -191,6 +221,16 @@ def chunk_fwd_kernel_h(
             tl.store(decay_v + i_nh * V + o_v, b_dv, mask=m_v)
 
 
+def _check_tma_config(config, tma_ok: bool, names: str) -> None:
+    """An explicit config that asks for TMA loads on inputs that cannot have them is refused."""
+    if config is not None and config.kwargs.get("USE_TMA", False) and not tma_ok:
+        raise ValueError(
+            f"config asks for TMA loads (USE_TMA=True), but {names} cannot be read through tensor "
+            "descriptors here: that needs a GPU of compute capability 9.0 or newer (or the interpreter), "
+            "Triton's tl.make_tensor_descriptor, and contiguous tensors whose start and last dimension "
+            "(size x element bytes) are multiples of 16 bytes; pass a config with USE_TMA=False")
+
+
 def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
                     state_v_first, config=None, decay_k=None, decay_v=None):
     """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``.
@@ -200,10 +240,14 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
     V = v.shape[-1]
     if N * H == 0:
         return
+    tma_ok = _tuning.tma_usable(k, v, gk, gv)
+    _check_tma_config(config, tma_ok, "k, v, gk, gv")
+    if tma_ok and k.is_cuda:
+        _tuning.ensure_allocator()
     args = dict(k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 T=T, H=H, K=K, V=V, BT=BT, BS=BS,
-                GRID=_tuning.grid_bucket(N * H),
+                GRID=_tuning.grid_bucket(N * H), TMA_OK=int(tma_ok),
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
                 IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first,
@@ -221,7 +265,7 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
 
 _tuned_forward = triton.autotune(
     configs=_tuning.CONFIGS,
-    key=["K", "V", "BT", "BS", "GRID", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
+    key=["K", "V", "BT", "BS", "GRID", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
          "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
     prune_configs_by={"early_config_prune": _tuning.prune},
 )(chunk_fwd_kernel_h)

@@ -135,14 +135,15 @@ def fits(cfg: triton.Config, K: int, V: int) -> bool:
 
 
 def cfg_id(cfg: triton.Config) -> str:
-    return f"BK{cfg.kwargs['BK']}-BV{cfg.kwargs['BV']}-w{cfg.num_warps}-s{cfg.num_stages}"
+    return _tuning.name(cfg)
 
 
 def _one_per_tile(configs):
-    """One config per (BK, BV): the deepest pipeline (most stages, then most warps)."""
+    """One config per (BK, BV) and load kind (pointers or TMA): the deepest pipeline (most stages,
+    then most warps)."""
     best = {}
     for c in configs:
-        key = (c.kwargs["BK"], c.kwargs["BV"])
+        key = (c.kwargs["BK"], c.kwargs["BV"], bool(c.kwargs.get("USE_TMA", False)))
         if key not in best or (c.num_stages, c.num_warps) > (best[key].num_stages, best[key].num_warps):
             best[key] = c
     return [best[k] for k in sorted(best)]

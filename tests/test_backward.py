@@ -382,6 +382,52 @@ def test_gqa_sums_the_query_heads_of_a_group():
     check_close(dh0, sum(p[1] for p in parts), "dh0 vs the sum over query heads", TOL[torch.float32])
 
 
+def _tma_config(BK, BV):
+    return triton.Config({"BK": BK, "BV": BV, "USE_TMA": True}, num_warps=4, num_stages=1)
+
+
+TMA_CASES = [  # (id, B, T, H, G, K, V, cu, gates, dtype, BT, BS, tile, pieces)
+    ("dense-T100-gqa3-allgates-ragged", 2, 100, 2, 3, 24, 20, None, GATES, torch.float32, 16, 32, (16, 16), 1),
+    ("varlen-empty-one-token-gqa2", 1, 100, 2, 2, 20, 24, [0, 0, 1, 40, 40, 100], ("g", "gk", "gv"),
+     torch.float32, 32, 64, (32, 16), 1),
+    ("T1-tile-wider-than-K-V", 3, 1, 2, 1, 16, 8, None, ("gk",), torch.float32, 16, None, (64, 64), 1),
+    ("pieces3-varlen-gqa2-allgates", 1, 100, 2, 2, 24, 20, [0, 0, 1, 40, 40, 100], GATES, torch.float32, 16,
+     32, (16, 16), 3),
+    ("fp16-dense-g_gamma+gv", 2, 63, 2, 2, 24, 16, None, ("g_gamma", "gv"), torch.float16, 16, None, (16, 16), 1),
+]
+
+
+@pytest.mark.parametrize("c", TMA_CASES, ids=[c[0] for c in TMA_CASES])
+def test_tma_loads_match_autograd_of_the_loop(c):
+    """q, do, gk, gv read through tensor descriptors (one per sequence; query head j of a group at
+    descriptor row i_h·G + j) give the loop's gradients, and the pointer loads' on the same tiles."""
+    name, B, T, H, G, K, V, cu, gs, dtype, BT, BS, (BK, BV), pieces = c
+    inp, nat, h0, dht, cu = make_case(B, T, H, G, K, V, gs, BT, dtype, cu)
+    if ON_GPU and not _tuning.tma_usable(inp["q"]):
+        pytest.skip("this GPU has no TMA (compute capability < 9.0)")
+    assert _tuning.tma_usable(inp["q"], inp["do"])
+    dh, dh0 = run_backward(inp, nat, h0, dht, cu, BT, BS, config=_tma_config(BK, BV), pieces=pieces)
+    ref_dh, ref_dh0 = loop_grads(inp, nat, h0, dht, cu, BT, BS)
+    check_close(dh, ref_dh, f"{name}: dh", TOL[dtype])
+    check_close(dh0, ref_dh0, f"{name}: dh0", TOL[dtype])
+    pointer = triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=1)
+    dh_p, dh0_p = run_backward(inp, nat, h0, dht, cu, BT, BS, config=pointer, pieces=pieces)
+    check_close(dh, dh_p, f"{name}: TMA vs pointer loads", TOL[dtype])
+    check_close(dh0, dh0_p, f"{name}: TMA vs pointer loads (dh0)", TOL[dtype])
+
+
+def test_tma_config_refused_where_descriptors_cannot_read_the_inputs():
+    """K = 33 fp32 rows (132 bytes) cannot be TMA descriptors: the autotuned call falls back to
+    pointer loads, an explicit USE_TMA config is refused naming the inputs."""
+    inp, nat, h0, dht, cu = make_case(1, 40, 2, 2, 33, 16, ("gk",), 16, torch.float32)
+    assert not _tuning.tma_usable(inp["q"])
+    dh, dh0 = run_backward(inp, nat, h0, dht, cu, 16)
+    ref_dh, ref_dh0 = loop_grads(inp, nat, h0, dht, cu, 16)
+    check_close(dh, ref_dh, "dh", TOL[torch.float32])
+    with pytest.raises(ValueError, match=r"USE_TMA=True.*q, do, gk, gv"):
+        run_backward(inp, nat, h0, dht, cu, 16, config=_tma_config(16, 16))
+
+
 @pytest.mark.parametrize("cu", [None, [0, 0, 0]])
 def test_no_tokens(cu):
     """Sequences without tokens: no split to store, dh0 = dht (or 0 without dht)."""
@@ -546,8 +592,9 @@ def _configs_to_check(dtype):
     (compiling all 60 twice would cost minutes of GPU time for the same tiling logic)."""
     if dtype == torch.bfloat16:
         return _tuning.ALL_CONFIGS
-    tried = {t for bucket in range(_tuning.N_BUCKETS) for t in _tuning.candidates(128, 128, bucket)}
-    return [c for c in _tuning.ALL_CONFIGS if (c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) in tried]
+    tried = {t for bucket in range(_tuning.N_BUCKETS) for tma in (False, True) for vector in (False, True)
+             for t in _tuning.candidates(128, 128, bucket, tma, vector)}
+    return [c for c in _tuning.ALL_CONFIGS if _tuning.key(c) in tried]
 
 
 @gpu
@@ -563,7 +610,7 @@ def test_gpu_every_config(dtype):
     configs = _configs_to_check(dtype)
     wrong, too_big = [], []
     for config in configs:
-        name = f"BK{config.kwargs['BK']} BV{config.kwargs['BV']} w{config.num_warps} s{config.num_stages}"
+        name = _tuning.name(config)
         try:
             dh, dh0 = run_backward(inp, nat, h0, dht, cu, 64, 128, config=config)
         except OutOfResources:

@@ -341,7 +341,7 @@ def test_run_case_plumbing(cpu_run):
         assert r["total_bytes"] == sum(bench.unique_bytes(case).values()) and r["pieces"] == 1
         # the config each side's autotuner ran, by kernel (the interpreter has one config)
         kernel = "chunk_fwd_kernel_h" if case.direction == "fwd" else "chunk_bwd_kernel_dh"
-        assert r["ours"]["configs"] == {kernel: [64, 64, 4, 1]}
+        assert r["ours"]["configs"] == {kernel: [64, 64, 4, 1, False]}
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
@@ -377,7 +377,7 @@ def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
     back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())
     assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
     for s in back["sweep"]:
-        assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1], [32, 32, 4, 1]]
+        assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1, False], [32, 32, 4, 1, False]]
         assert all(t["ms"] == 1.0 and "error" not in t for t in s["timings"]) and len(s["top"]) == 2
     assert "BK= 64 BV= 64 warps=4 stages=1" in capsys.readouterr().out
 

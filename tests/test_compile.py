@@ -70,20 +70,20 @@ _NO_GATES = dict(g=None, g_gamma=None, gk=None, gv=None)
 FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
     FlagSet("bf16-dense-allgates-h0-ht", dict(
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **_GATES, h0=ptr("fp32"), ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, GRID=2,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, GRID=2, TMA_OK=1,
         H=4, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False), with_candidates=True),
     FlagSet("fp16-varlen-vfirst-g-gv-h32", dict(
         k=ptr("fp16"), v=ptr("fp16"), h=ptr("fp32"), **dict(_NO_GATES, g=ptr("fp32"), gv=ptr("fp32")),
         h0=ptr("fp16"), ht=None, cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None,
-        T=4096, GRID=3, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
+        T=4096, GRID=3, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
         USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, IS_VARLEN=True, STATE_V_FIRST=True,
         STORE_STATES=True, STORE_DECAY=False)),
     FlagSet("bf16-pieces-pass-gk-gv-decays", dict(  # the pieces' first pass: ht and decays only
         k=ptr("bf16"), v=ptr("bf16"), h=None, **dict(_NO_GATES, gk=ptr("fp32"), gv=ptr("fp32")),
         h0=None, ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=None, decay_k=ptr("fp32"),
-        decay_v=ptr("fp32"), T=4096, GRID=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
+        decay_v=ptr("fp32"), T=4096, GRID=0, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
         USE_G_GAMMA=False, USE_GK=True, USE_GV=True, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
         IS_VARLEN=True, STATE_V_FIRST=False, STORE_STATES=False, STORE_DECAY=True)),
 ))
@@ -91,7 +91,7 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
 BACKWARD = KernelSpec("backward", "chunkstate.backward", "chunk_bwd_kernel_dh", (
     FlagSet("bf16-gqa-allgates-dht-dh0", dict(
         q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **_GATES, dht=ptr("fp32"), dh0=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, scale=0.088, T=4096, GRID=2,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, scale=0.088, T=4096, GRID=2, TMA_OK=1,
         H=4, NG=2, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=False,
         STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False)),
@@ -104,8 +104,8 @@ KERNELS = [FORWARD, BACKWARD]
 # Which configs: the candidates, plus a rotating subset
 # ---------------------------------------------------------------------------------------------
 
-def _key(cfg) -> tuple[int, int, int, int]:
-    return cfg.kwargs["BK"], cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages
+def _key(cfg) -> tuple[int, int, int, int, bool]:
+    return _tuning.key(cfg)
 
 
 def _fits(key, K, V) -> bool:
@@ -114,10 +114,14 @@ def _fits(key, K, V) -> bool:
 
 
 def candidate_keys(K: int, V: int) -> list[tuple]:
-    """Every config the autotuner may try for (K, V), over all grid buckets (``_tuning.prune``)."""
+    """Every config the autotuner may try for (K, V), over all grid buckets, with and without TMA
+    loads and vector gates (``_tuning.prune``)."""
     keys = []
     for bucket in range(_tuning.N_BUCKETS):
-        keys += [_key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, {"K": K, "V": V, "GRID": bucket})]
+        for tma in (0, 1):
+            for gk in (False, True):
+                args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gk}
+                keys += [_key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
     return list(dict.fromkeys(keys))
 
 
@@ -154,8 +158,8 @@ JOBS = jobs()
 
 
 def _job_id(job):
-    kernel, fs, (BK, BV, w, s), why = job
-    return f"{kernel}-{fs}-BK{BK}-BV{BV}-w{w}-s{s}-{why}"
+    kernel, fs, (BK, BV, w, s, tma), why = job
+    return f"{kernel}-{fs}-BK{BK}-BV{BV}-w{w}-s{s}{'-tma' if tma else ''}-{why}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,9 +222,9 @@ def compile_one(kernel: str, flag_set: str, key: tuple) -> dict:
         return {"skip": f"{spec.module}.{spec.attr} is not importable: {type(e).__name__}: {e}"}
     if not hasattr(fn, "params"):
         return {"error": f"{spec.attr} is a {type(fn).__name__}, not a JITFunction: TRITON_INTERPRET must be 0"}
-    BK, BV, warps, stages = key
+    BK, BV, warps, stages, tma = key
     try:
-        signature, constexprs = signature_and_constexprs(fn, dict(fs.args, BK=BK, BV=BV))
+        signature, constexprs = signature_and_constexprs(fn, dict(fs.args, BK=BK, BV=BV, USE_TMA=tma))
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     except KeyError as e:
         return {"error": str(e.args[0])}

@@ -392,6 +392,71 @@ def test_sequence_pieces_against_loop(pieces, cu, gs, vf, tile, device):
     check_close(ht, ht1, "pieces vs one piece (ht)", TOL_FP32)
 
 
+# -- TMA loads (USE_TMA configs): the interpreter emulates Hopper's tensor descriptors
+
+def tma_config(BK, BV):
+    return triton.Config({"BK": BK, "BV": BV, "USE_TMA": True}, num_warps=4, num_stages=1)
+
+
+TMA_CASES = [  # (id, B, T, H, K, V, cu, gates, dtype, BT, BS, tile, pieces, state_v_first)
+    ("dense-T100-allgates-ragged-tiles", 2, 100, 2, 24, 20, None, GATE_NAMES, torch.float32, 16, 32, (16, 16), 1, False),
+    ("varlen-empty-one-token-vk", 1, 100, 2, 20, 24, [0, 0, 1, 40, 40, 100], ("g_gamma", "gk", "gv"),
+     torch.float32, 32, 64, (32, 16), 1, True),
+    ("T1-tile-wider-than-K-V", 3, 1, 2, 16, 8, None, ("gk",), torch.float32, 16, None, (64, 64), 1, False),
+    ("varlen17-64-K68", 1, 81, 1, 68, 20, [0, 17, 81], ("g", "gk"), torch.float32, 64, None, (64, 32), 1, False),
+    ("pieces3-varlen-allgates", 1, 100, 2, 24, 20, [0, 0, 1, 40, 40, 100], GATE_NAMES, torch.float32, 16, 32,
+     (16, 16), 3, False),
+    ("fp16-dense-g+gv", 2, 63, 2, 24, 16, None, ("g", "gv"), torch.float16, 16, None, (16, 16), 1, False),
+]
+
+
+@pytest.mark.parametrize("c", TMA_CASES, ids=[c[0] for c in TMA_CASES])
+def test_tma_loads_against_loop(c, device):
+    """Tiles read through tensor descriptors (one per sequence: rows past its end and columns past
+    K, V arrive as zeros) give the loop's states, and the pointer loads' states on the same tiles.
+    On CPU and on a GPU (there fp32 dots are tf32)."""
+    name, B, T, H, K, V, cu, gs, dtype, BT, BS, (BK, BV), pieces, vf = c
+    tol = {torch.float32: TOL_TF32, torch.float16: TOL_FP16}[dtype] if ON_GPU else TOL[dtype]
+    case = make_case(B, T, H, K, V, dtype, gs, True, cu, device)
+    if ON_GPU and not _tuning.tma_usable(case["k"]):
+        pytest.skip("this GPU has no TMA (compute capability < 9.0)")
+    assert _tuning.tma_usable(case["k"], case["v"])
+    h, ht = check_against_loop(case, tol, tol, BT, BS, what=name, state_v_first=vf,
+                               config=tma_config(BK, BV), pieces=pieces)
+    pointer = triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=1)
+    h_p, ht_p = run_kernel(case, BT, BS, state_v_first=vf, config=pointer, pieces=pieces)
+    check_close(h, h_p, f"{name}: TMA vs pointer loads", tol)
+    check_close(ht, ht_p, f"{name}: TMA vs pointer loads (ht)", tol)
+
+
+def test_tma_refused_where_descriptors_cannot_read_the_inputs(device):
+    """A row of K = 33 fp32 (132 bytes) or a k starting 4 bytes off a 16-byte boundary cannot be a
+    TMA descriptor: auto-tuned calls fall back to pointer loads (right answer), and an explicit
+    USE_TMA config is refused with an error naming the inputs."""
+    odd = make_case(1, 40, 2, 33, 16, torch.float32, ("gk",), False, None, device)
+    flat = torch.randn(1 * 40 * 2 * 32 + 1, device=device)
+    shifted = make_case(1, 40, 2, 32, 16, torch.float32, ("gk",), False, None, device)
+    shifted["k"] = flat[1:].view(1, 40, 2, 32)  # contiguous, but 4 bytes past the storage's start
+    tol = TOL_TF32 if ON_GPU else TOL_FP32
+    for case in (odd, shifted):
+        assert not _tuning.tma_usable(case["k"], case["v"])
+        check_against_loop(case, tol, tol, 16, what="fallback to pointer loads")
+        with pytest.raises(ValueError, match=r"USE_TMA=True.*k, v, gk, gv"):
+            run_kernel(case, 16, config=tma_config(16, 16))
+
+
+def test_tma_candidates_only_where_usable():
+    """The autotuner's TMA candidates appear only when the wrapper says descriptors can be used;
+    with a vector gate and TMA they are most of the list, and in every bucket."""
+    for bucket in range(_tuning.N_BUCKETS):
+        base = {"K": 128, "V": 128, "GRID": bucket}
+        for vector in (False, True):
+            off = _tuning.prune(_tuning.ALL_CONFIGS, {**base, "TMA_OK": 0, "USE_GK": vector})
+            assert off and not any(_tuning.key(c)[4] for c in off)
+        on = _tuning.prune(_tuning.ALL_CONFIGS, {**base, "TMA_OK": 1, "USE_GK": True})
+        assert 2 * sum(_tuning.key(c)[4] for c in on) > len(on)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU only
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +515,7 @@ def _fits(cfg, K, V):
 
 
 def _cfg_id(cfg):
-    return f"BK{cfg.kwargs['BK']}-BV{cfg.kwargs['BV']}-w{cfg.num_warps}-s{cfg.num_stages}"
+    return _tuning.name(cfg)
 
 
 @gpu_only

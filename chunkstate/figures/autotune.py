@@ -36,12 +36,18 @@ def load_sweep(path=None) -> dict:
 
 
 def config_name(config) -> str:
-    """``"64x128w8s3"`` for a ``triton.Config`` or a ``(BK, BV, num_warps, num_stages)`` tuple."""
-    if isinstance(config, tuple):
-        BK, BV, w, s = config
-    else:
-        BK, BV, w, s = config.kwargs["BK"], config.kwargs["BV"], config.num_warps, config.num_stages
-    return f"{BK}x{BV}w{w}s{s}"
+    """``"64x128w8s3"`` for a ``triton.Config`` or a ``(BK, BV, num_warps, num_stages[, USE_TMA])``
+    tuple; a config loading through TMA descriptors ends in ``tma`` (``"64x64w4s6tma"``)."""
+    if not isinstance(config, tuple):
+        config = _tuning_key(config)
+    BK, BV, w, s, *tma = config
+    return f"{BK}x{BV}w{w}s{s}" + ("tma" if tma and tma[0] else "")
+
+
+def _tuning_key(config):
+    from .. import _tuning
+
+    return _tuning.key(config)
 
 
 def parse_name(name: str) -> tuple[int, int, int, int]:
@@ -73,7 +79,8 @@ def bucket_of(row: dict) -> int:
 
 def candidate_names(K: int, V: int, num_heads_total: int) -> list[str]:
     """The configs the package's autotuner benchmarks on a first call for K, V and N·H heads:
-    ``_tuning.prune`` applied to ``_tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it."""
+    ``_tuning.prune`` applied to ``_tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it, for
+    pointer loads (the sweep timed no TMA config; on a Hopper GPU bucket 1 adds one)."""
     from .. import _tuning
 
     kept = _tuning.prune(_tuning.ALL_CONFIGS, {}, K=K, V=V, GRID=_tuning.grid_bucket(num_heads_total))
