@@ -143,15 +143,16 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
 
 def tma_usable(*tensors) -> bool:
     """Whether every given tensor (None skipped) can be read through a TMA tensor descriptor of
-    rows [T, heads, D]: the GPU has a TMA (compute capability 9 or newer; the interpreter emulates
-    one), this Triton has ``tl.make_tensor_descriptor``, and each tensor is contiguous with its
-    start and rows 16-byte aligned (D · element size a multiple of 16)."""
+    rows [T, heads, D]: the GPU has a TMA (an NVIDIA GPU of compute capability 9 or newer; the
+    interpreter emulates one), this Triton has ``tl.make_tensor_descriptor``, and each tensor is
+    contiguous with its start and rows 16-byte aligned (D · element size a multiple of 16)."""
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
     for t in tensors:
         if t is None:
             continue
-        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+        if t.device.type == "cuda" and (torch.version.hip is not None  # ROCm reports gfx9 as 9.x
+                                        or torch.cuda.get_device_capability(t.device)[0] < 9):
             return False
         if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
             return False

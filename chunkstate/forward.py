@@ -307,7 +307,9 @@ def chunk_fwd_h(
         pieces: cut each sequence into this many pieces run in parallel (``chunkstate.pieces``);
             None (default) decides from the occupancy (only far below one wave of programs),
             1 never splits. The result is the same up to rounding.
-        config: run one explicit ``triton.Config`` (BK, BV, warps, stages) instead of autotuning.
+        config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
+            tiles through TMA descriptors, ValueError where the inputs do not allow it) instead of
+            autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
             [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);
