@@ -115,8 +115,8 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     the list (backward, B8 T4096 H16: pointer 0.202, TMA 0.209 ms; B4 T4096 H64: 0.392 vs 0.418).
     With scalar gates the pointer configs tie with TMA or win, except at an eighth to a quarter of
     a wave (B1 T65536 H32: 64×64 with 4 warps and 4 stages 0.704 ms, the pointer configs' best
-    0.712 ms). Deeper TMA pipelines (6 stages:
-    0.694 ms) do not fit the 227 KB of shared memory once gk and gv are both given.
+    0.712 ms). Deeper TMA pipelines (6 stages: 0.694 ms) do not fit the 227 KB of shared memory
+    once gk and gv are both given.
     """
     if tma and vector_gates:
         if bucket == 0:
@@ -141,20 +141,32 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     return out
 
 
-def tma_usable(*tensors) -> bool:
-    """Whether every given tensor (None skipped) can be read through a TMA tensor descriptor of
-    rows [T, heads, D]: the GPU has a TMA (an NVIDIA GPU of compute capability 9 or newer; the
-    interpreter emulates one), this Triton has ``tl.make_tensor_descriptor``, and each tensor is
-    contiguous with its start and rows 16-byte aligned (D · element size a multiple of 16)."""
+def tma_device(device) -> bool:
+    """Whether kernels on ``device`` can build TMA descriptors: this Triton has
+    ``tl.make_tensor_descriptor``, and the device is an NVIDIA GPU of compute capability 9 or newer
+    (or the CPU, where the interpreter emulates the TMA)."""
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9  # ROCm: gfx9 reads 9.x
+
+
+def tma_rows(D: int, element_size: int) -> bool:
+    """Whether rows of D elements are a whole number of 16-byte units (a descriptor's strides must be)."""
+    return (D * element_size) % 16 == 0
+
+
+def tma_usable(*tensors) -> bool:
+    """Whether every given tensor (None skipped) can be read through a TMA tensor descriptor of
+    rows [T, heads, D]: ``tma_device``, and each tensor contiguous with its start and its rows
+    16-byte aligned (``tma_rows``)."""
     for t in tensors:
         if t is None:
             continue
-        if t.device.type == "cuda" and (torch.version.hip is not None  # ROCm reports gfx9 as 9.x
-                                        or torch.cuda.get_device_capability(t.device)[0] < 9):
-            return False
-        if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+        if not (tma_device(t.device) and t.is_contiguous() and t.data_ptr() % 16 == 0
+                and tma_rows(t.shape[-1], t.element_size())):
             return False
     return True
 

@@ -386,16 +386,12 @@ def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> i
 
 
 def _candidates(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
-    """The configs chunkstate's autotuner tries for one key, on a GPU where TMA loads are usable
-    (bf16 inputs at K, V multiples of 8)."""
-    tma = int(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and K % 8 == 0 and V % 8 == 0)
-    args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gate == "gk"}
-    return [_cfg_tuple(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
-
-
-def _cfg_tuple(c) -> tuple:
-    """(BK, BV, warps, stages, USE_TMA) of any config (fla's: USE_TMA False)."""
-    return _tuning.key(c)
+    """The configs chunkstate's autotuner tries for one key of the benchmark's bf16 inputs (with TMA
+    configs where this machine's GPU has a TMA; none without a GPU)."""
+    tma = (torch.cuda.is_available() and _tuning.tma_device("cuda")
+           and _tuning.tma_rows(K, 2) and _tuning.tma_rows(V, 2))
+    args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": int(tma), "USE_GK": gate == "gk"}
+    return [_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
 
 
 def _backward_grid_specialised() -> bool:
@@ -548,10 +544,10 @@ def n_compiled(jit_functions) -> int | None:
 
 def restrict_configs(autotuner, wanted=FLA_CONFIGS) -> list[tuple]:
     """Keep only ``wanted`` (BK, BV, warps, stages) among an autotuner's own configs; return the kept."""
-    kept = [c for c in autotuner.configs if _cfg_tuple(c)[:4] in wanted]
+    kept = [c for c in autotuner.configs if _tuning.key(c)[:4] in wanted]
     if kept:
         autotuner.configs = kept
-    return [_cfg_tuple(c)[:4] for c in autotuner.configs]
+    return [_tuning.key(c)[:4] for c in autotuner.configs]
 
 
 def do_bench(fn) -> dict:
@@ -678,7 +674,7 @@ class Libraries:
         for at in self.fla_autotuners:
             at.cache_results = False
             name = getattr(getattr(at, "base_fn", None), "__name__", f"autotuner {len(kept)}")
-            kept[name] = [_cfg_tuple(c)[:4] for c in at.configs] if fla_all_configs else restrict_configs(at)
+            kept[name] = [_tuning.key(c)[:4] for c in at.configs] if fla_all_configs else restrict_configs(at)
         counts = sorted({len(v) for v in kept.values()})
         note = (f"all of fla's own configs ({'/'.join(map(str, counts))})" if fla_all_configs else
                 f"restricted to {'/'.join(map(str, counts))} of its 48 configs (H200 winners; "
@@ -715,7 +711,7 @@ def _configs_run(autotuners, timed):
     for at in autotuners:
         at.best_config = None
     entry, out = timed()
-    chosen = {getattr(getattr(at, "base_fn", None), "__name__", "kernel"): list(_cfg_tuple(at.best_config))
+    chosen = {getattr(getattr(at, "base_fn", None), "__name__", "kernel"): list(_tuning.key(at.best_config))
               for at in autotuners if getattr(at, "best_config", None) is not None}
     if chosen and "error" not in entry:
         entry["configs"] = chosen
@@ -899,13 +895,13 @@ def run_sweep(shapes, args, cache: dict) -> dict:
                         fn = lambda c=cfg: forward.chunk_fwd_h(  # noqa: E731
                             inp.x1, inp.x2, **kw, pieces=1, config=c)[0]
                     elif libs.ours.chunk_bwd_dh is None:
-                        timings.append({"config": list(_cfg_tuple(cfg)), "ms": None, "error": libs.ours_error})
+                        timings.append({"config": list(_tuning.key(cfg)), "ms": None, "error": libs.ours_error})
                         continue
                     else:
                         extra = {"pieces": 1} if takes_pieces else {}
                         fn = lambda c=cfg: libs.ours.chunk_bwd_dh(  # noqa: E731
                             inp.x1, inp.x1, inp.x2, inp.x2, None, None, shape.D ** -0.5, **kw, config=c, **extra)[0]
-                    entry = {"config": list(_cfg_tuple(cfg))}
+                    entry = {"config": list(_tuning.key(cfg))}
                     try:
                         fn()
                         entry.update(do_bench(fn))

@@ -134,10 +134,6 @@ def fits(cfg: triton.Config, K: int, V: int) -> bool:
         cfg.kwargs["BV"] <= max(16, triton.next_power_of_2(V))
 
 
-def cfg_id(cfg: triton.Config) -> str:
-    return _tuning.name(cfg)
-
-
 def _one_per_tile(configs):
     """One config per (BK, BV) and load kind (pointers or TMA): the deepest pipeline (most stages,
     then most warps)."""
@@ -268,7 +264,7 @@ def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool) -
             for P in case.pieces if direction == "forward" or BACKWARD_PIECES else (1,):
                 if P > 1 and cfg not in piece_configs:
                     continue
-                what = f"{case.name} {cfg_id(cfg)} {direction} pieces={P}"
+                what = f"{case.name} {_tuning.name(cfg)} {direction} pieces={P}"
                 try:
                     runs = []
                     for _ in range(repeats):
@@ -435,7 +431,7 @@ def main(argv=None) -> int:
     if args.list:
         for case in selected_cases(args.quick):
             configs, piece_configs = configs_for(case, args.quick)
-            print(f"{case.name}: {len(configs)} configs {[cfg_id(c) for c in configs]}; pieces {case.pieces} "
+            print(f"{case.name}: {len(configs)} configs {[_tuning.name(c) for c in configs]}; pieces {case.pieces} "
                   f"with {len(piece_configs)} of them")
         return 0
     if args.all_tools:

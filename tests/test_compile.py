@@ -104,10 +104,6 @@ KERNELS = [FORWARD, BACKWARD]
 # Which configs: the candidates, plus a rotating subset
 # ---------------------------------------------------------------------------------------------
 
-def _key(cfg) -> tuple[int, int, int, int, bool]:
-    return _tuning.key(cfg)
-
-
 def _fits(key, K, V) -> bool:
     """A config is worth compiling for (K, V) when its tiles are no wider than K, V rounded up."""
     return key[0] <= max(16, triton.next_power_of_2(K)) and key[1] <= max(16, triton.next_power_of_2(V))
@@ -121,7 +117,7 @@ def candidate_keys(K: int, V: int) -> list[tuple]:
         for tma in (0, 1):
             for gk in (False, True):
                 args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gk}
-                keys += [_key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
+                keys += [_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
     return list(dict.fromkeys(keys))
 
 
@@ -138,7 +134,7 @@ def jobs() -> list[tuple[str, str, tuple, str]]:
     for spec in KERNELS:
         for fs in spec.flag_sets:
             K, V = fs.args["K"], fs.args["V"]
-            pool = [_key(c) for c in _tuning.ALL_CONFIGS if _fits(_key(c), K, V)]
+            pool = [_tuning.key(c) for c in _tuning.ALL_CONFIGS if _fits(_tuning.key(c), K, V)]
             chosen = {}
             if fs.with_candidates:
                 chosen.update({key: "candidate" for key in candidate_keys(K, V)})
@@ -294,10 +290,10 @@ def test_job_list_holds_every_candidate():
     main = FORWARD.flag_sets[0]
     keys = {key for kernel, fs, key, _ in JOBS if kernel == "forward" and fs == main.name}
     assert set(candidate_keys(main.args["K"], main.args["V"])) <= keys
-    every = {_key(c) for c in _tuning.ALL_CONFIGS}
+    every = {_tuning.key(c) for c in _tuning.ALL_CONFIGS}
     for kernel, fs, key, why in JOBS:
         assert why == "candidate" or key in every, (kernel, fs, key)
-    rest = [k for k in (_key(c) for c in _tuning.ALL_CONFIGS) if k not in set(candidate_keys(128, 128))]
+    rest = [k for k in (_tuning.key(c) for c in _tuning.ALL_CONFIGS) if k not in set(candidate_keys(128, 128))]
     seen = set()
     env = os.environ.get("CHUNKSTATE_COMPILE_ROTATION")
     try:

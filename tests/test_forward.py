@@ -514,19 +514,15 @@ def _fits(cfg, K, V):
         cfg.kwargs["BV"] <= max(16, triton.next_power_of_2(V))
 
 
-def _cfg_id(cfg):
-    return _tuning.name(cfg)
-
-
 @gpu_only
-@pytest.mark.parametrize("cfg", _tuning.ALL_CONFIGS, ids=[_cfg_id(c) for c in _tuning.ALL_CONFIGS])
+@pytest.mark.parametrize("cfg", _tuning.ALL_CONFIGS, ids=_tuning.name)
 def test_gpu_every_config(cfg, all_config_case):
     """Not only the autotuner's winner: every config of ALL_CONFIGS valid for the shape is right."""
     assert _fits(cfg, ALL_CONFIG_SHAPE["K"], ALL_CONFIG_SHAPE["V"])  # every config fits K = V = 128
     case, (h_ref, ht_ref) = all_config_case
     h, ht = run_kernel(case, 64, config=cfg, pieces=1)  # the plain kernel, not sequence pieces
-    check_close(h, h_ref, f"{_cfg_id(cfg)} h", TOL_BF16)
-    check_close(ht, ht_ref, f"{_cfg_id(cfg)} ht", TOL_BF16)
+    check_close(h, h_ref, f"{_tuning.name(cfg)} h", TOL_BF16)
+    check_close(ht, ht_ref, f"{_tuning.name(cfg)} ht", TOL_BF16)
 
 
 # -- fla-core 0.6.0 where it is right (not g together with g_gamma)

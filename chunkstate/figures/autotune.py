@@ -39,15 +39,11 @@ def config_name(config) -> str:
     """``"64x128w8s3"`` for a ``triton.Config`` or a ``(BK, BV, num_warps, num_stages[, USE_TMA])``
     tuple; a config loading through TMA descriptors ends in ``tma`` (``"64x64w4s6tma"``)."""
     if not isinstance(config, tuple):
-        config = _tuning_key(config)
+        from .. import _tuning
+
+        config = _tuning.key(config)
     BK, BV, w, s, *tma = config
     return f"{BK}x{BV}w{w}s{s}" + ("tma" if tma and tma[0] else "")
-
-
-def _tuning_key(config):
-    from .. import _tuning
-
-    return _tuning.key(config)
 
 
 def parse_name(name: str) -> tuple[int, int, int, int]:
