@@ -115,10 +115,11 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     the list (backward, B8 T4096 H16: pointer 0.202, TMA 0.209 ms; B4 T4096 H64: 0.392 vs 0.418).
     With scalar gates the pointer configs tie with TMA or win, except at an eighth to a quarter of
     a wave (B1 T65536 H32: 64×64 with 4 warps and 4 stages 0.704 ms, the pointer configs' best
-    0.712 ms) and around one wave with many heads (B1 T8192 H96 forward: 64×64 with 4 warps and
-    3 stages 0.212 ms, the pointer candidates' best 0.238 ms, fla 0.267 ms; at B8 T4096 H16 the
-    same TMA config is 1.15× slower than 64×128 and the autotuner leaves it). Deeper TMA pipelines
-    (6 stages: 0.694 ms) do not fit the 227 KB of shared memory once gk and gv are both given.
+    0.712 ms). Deeper TMA pipelines (6 stages: 0.694 ms) do not fit the 227 KB of shared memory
+    once gk and gv are both given. Around one wave TMA 64×64 with 4 warps and 3 stages won the
+    scalar-gate forward at B1 T8192 H96 (0.212 ms, pointer candidates 0.238, fla 0.267), but offered
+    there it was also the autotuner's pick at B8 T4096 H16, where it runs 0.171 ms against 0.147 ms
+    for 64×128 (H200, bf16, g): it is not offered until the autotuner's timing of it is understood.
     """
     if tma and vector_gates:
         if bucket == 0:
@@ -140,8 +141,6 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     out = [(*t, False) for t in out]
     if tma and bucket == 1:
         out.append((64, 64, 4, 4, True))
-    if tma and bucket == 2:
-        out.append((64, 64, 4, 3, True))
     return out
 
 
