@@ -147,13 +147,22 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
 def tma_device(device) -> bool:
     """Whether kernels on ``device`` can build TMA descriptors: this Triton has
     ``tl.make_tensor_descriptor``, and the device is an NVIDIA GPU of compute capability 9 or newer
-    (or the CPU, where the interpreter emulates the TMA)."""
+    (or the CPU, where the interpreter emulates the TMA). Answered once per device: every launch
+    asks, for each input."""
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _tma_device(device.type, index)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(kind: str, index: int | None) -> bool:
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
-    device = torch.device(device)
-    if device.type != "cuda":
+    if kind != "cuda":
         return True
-    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9  # ROCm: gfx9 reads 9.x
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # ROCm: gfx9 reads 9.x
 
 
 def tma_rows(D: int, element_size: int) -> bool:

@@ -445,6 +445,26 @@ def test_tma_refused_where_descriptors_cannot_read_the_inputs(device):
             run_kernel(case, 16, config=tma_config(16, 16))
 
 
+def test_tma_device_rule(monkeypatch):
+    """TMA descriptors on an NVIDIA GPU of compute capability 9 or newer (and the interpreter's
+    CPU), never on an older GPU or on ROCm (whose gfx9 reports capability 9.x). The answer is
+    cached per device, so the cache is emptied around each pretended device."""
+    import triton.language as tl
+
+    if not hasattr(tl, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no tl.make_tensor_descriptor")
+    for capability, hip, expected in [((9, 0), None, True), ((10, 0), None, True), ((8, 9), None, False),
+                                      ((9, 4), "6.2", False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        _tuning._tma_device.cache_clear()
+        try:
+            assert _tuning.tma_device("cuda:0") is expected, (capability, hip)
+        finally:
+            _tuning._tma_device.cache_clear()
+    assert _tuning.tma_device("cpu")
+
+
 def test_tma_candidates_only_where_usable():
     """The autotuner's TMA candidates appear only when the wrapper says descriptors can be used;
     with a vector gate and TMA they are most of the list, and in every bucket."""
