@@ -202,7 +202,7 @@ def test_cdiv_and_next_power_of_2_match_triton():
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_calls_replay_in_a_cuda_graph(pieces, packed):
-    """Shapes bound by the host (few programs, or tiny calls) can be captured in a CUDA graph: the
+    """Calls bound by the host (small shapes) can be captured in a CUDA graph: the
     calls launch without reading anything back, so after a first, tuning call, a captured forward
     and backward replayed on new inputs (copied into the captured tensors) give bitwise what eager
     calls on those inputs give — packed batches and pieces included."""
