@@ -116,10 +116,11 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     With scalar gates the pointer configs tie with TMA or win, except at an eighth to a quarter of
     a wave (B1 T65536 H32: 64×64 with 4 warps and 4 stages 0.704 ms, the pointer configs' best
     0.712 ms). Deeper TMA pipelines (6 stages: 0.694 ms) do not fit the 227 KB of shared memory
-    once gk and gv are both given. Around one wave TMA 64×64 with 4 warps and 3 stages won the
-    scalar-gate forward at B1 T8192 H96 (0.212 ms, pointer candidates 0.238, fla 0.267), but offered
-    there it was also the autotuner's pick at B8 T4096 H16, where it runs 0.171 ms against 0.147 ms
-    for 64×128 (H200, bf16, g): it is not offered until the autotuner's timing of it is understood.
+    once gk and gv are both given. Around one wave TMA 64×64 with 4 warps and 3 stages wins the
+    scalar-gate forward at B1 T8192 H96 (0.212 ms, pointer candidates 0.239, fla 0.267) but runs
+    0.172 ms at B8 T4096 H16 against 0.147 ms for 64×128 (H200, bf16, g; the autotuner times both
+    right). Both shapes fall in bucket 2, so they share one key and one tuned config: whichever
+    is tuned first sets the other's. It is not offered until the key can tell such shapes apart.
     """
     if tma and vector_gates:
         if bucket == 0:
