@@ -13,6 +13,8 @@ to a single one there (the tests run every config explicitly through the ``confi
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -199,6 +201,43 @@ def ensure_allocator() -> None:
 
 def _torch_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Compile a new key's candidates side by side before the autotuner times them (it compiles them one
+# after another, ~0.5 s each on an H200 host; Triton's compiler releases the GIL in its MLIR and
+# LLVM passes and in ptxas, so threads overlap). False: leave compiling to the autotuner.
+PARALLEL_COMPILE = not INTERPRET
+_compiled_keys: set = set()
+
+
+def compile_candidates(tuner, grid, args: dict) -> int:
+    """Compile, in threads, every config ``prune`` keeps for this launch of the autotuned
+    ``tuner`` (a ``triton.autotune`` of a ``@triton.jit`` kernel) the first time its key is seen, so
+    the autotuner then only times them. Returns how many compiles were started (0: the key was seen
+    before, ``PARALLEL_COMPILE`` is off, or this Triton lacks ``AsyncCompileMode``). A config that
+    fails to compile is left for the autotuner to compile again and report or skip."""
+    if not PARALLEL_COMPILE:
+        return 0
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # Triton before 3.5: the autotuner compiles one config after another
+        return 0
+    tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
+    key = (id(tuner), str(tensors[0].device), *(args[name] for name in tuner.keys),
+           *(str(t.dtype) for t in tensors))
+    if key in _compiled_keys:
+        return 0
+    _compiled_keys.add(key)
+    configs = prune(tuner.configs, args)
+    if len(configs) < 2:
+        return 0
+    try:
+        with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+            for cfg in configs:
+                tuner.fn.warmup(grid=grid, **args, **cfg.all_kwargs())
+    except Exception:  # noqa: BLE001  the autotuner compiles what is missing and reports real errors
+        pass
+    return len(configs)
 
 
 def prune(configs, named_args, **kwargs):

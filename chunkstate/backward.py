@@ -216,6 +216,7 @@ def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     if config is None:
+        _tuning.compile_candidates(_tuned_backward, grid, args)
         _tuned_backward[grid](**args)
     else:
         chunk_bwd_kernel_dh[grid](**args, **config.kwargs, num_warps=config.num_warps,

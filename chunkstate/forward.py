@@ -257,6 +257,7 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     if config is None:
+        _tuning.compile_candidates(_tuned_forward, grid, args)
         _tuned_forward[grid](**args)
     else:
         chunk_fwd_kernel_h[grid](**args, **config.kwargs, num_warps=config.num_warps,

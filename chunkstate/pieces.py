@@ -19,6 +19,8 @@ programs; ``auto_pieces`` decides, and ``chunk_fwd_h(..., pieces=P)`` lets the c
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,7 @@ from .env import INTERPRET
 from .forward import _load_state, _program_tile, _store_state
 
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
+WAVES = 2  # auto_pieces aims at this many waves of programs
 
 
 def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
@@ -40,7 +43,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
     if programs == 0 or programs >= sms // 2:
         return 1
     most = max_len // max(MIN_PIECE_TOKENS, BS)
-    return max(1, min(_host.cdiv(2 * sms, programs), most))
+    return max(1, min(_host.cdiv(WAVES * sms, programs), most))
 
 
 def choose(pieces, N: int, H: int, K: int, V: int, lengths: list[int], BS: int) -> int:
@@ -131,16 +134,22 @@ def _packed(B: int, T: int, x):
     return None if x is None else x.reshape(1, B * T, *x.shape[2:])
 
 
+@functools.lru_cache(maxsize=_host.MAX_ENTRIES)
+def _device_plan(lengths: tuple[int, ...], BS: int, pieces: int, dev: torch.device):
+    """``plan`` on the device, made once per (lengths, BS, pieces, device): (cu_pieces,
+    seq_pieces, split_offsets of the pieces, NP)."""
+    cu_host, seq_host = plan(list(lengths), BS, pieces)
+    _, split_offsets = _host.split_slots(_host.lengths(cu_host), BS, dev)
+    return (_host.on_device(cu_host, torch.int32, dev), _host.on_device(seq_host, torch.int32, dev),
+            split_offsets, len(cu_host) - 1)
+
+
 def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
     """The piece plan on the device and the first pass's outputs: (cu_pieces, seq_pieces,
     split_offsets of the pieces, NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32,
     decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_host.on_device``),
     so a repeated call copies nothing to the device and waits for nothing."""
-    cu_host, seq_host = plan(lengths, BS, pieces)
-    cu_pieces = _host.on_device(cu_host, torch.int32, dev)
-    seq_pieces = _host.on_device(seq_host, torch.int32, dev)
-    _, split_offsets = _host.split_slots(_host.lengths(cu_host), BS, dev)
-    NP = len(cu_host) - 1
+    cu_pieces, seq_pieces, split_offsets, NP = _device_plan(tuple(lengths), BS, pieces, dev)
     state = (V, K) if state_v_first else (K, V)
     F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
     decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
