@@ -265,9 +265,9 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
     started, counts = [], []
     real = _tuning.compile_candidates
 
-    def counting(tuner_, grid, args):
-        started.append(real(tuner_, grid, args))
-        counts.append(bench.n_compiled([tuner_.fn]))
+    def counting(*launches):
+        started.append(real(*launches))
+        counts.append(bench.n_compiled([tuner.fn]))
         return started[-1]
 
     monkeypatch.setattr(_tuning, "compile_candidates", counting)
