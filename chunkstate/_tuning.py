@@ -207,43 +207,41 @@ def _torch_allocator(size: int, alignment: int, stream):
 # after another, ~0.5 s each on an H200 host; Triton's compiler releases the GIL in its MLIR and
 # LLVM passes and in ptxas, so threads overlap). False: leave compiling to the autotuner.
 PARALLEL_COMPILE = not INTERPRET
-_compiled_keys: set = set()
 
 
-def compile_candidates(*launches) -> int:
-    """Compile, in threads, every config ``prune`` keeps for each launch ``(tuner, grid, args)`` (a
-    ``triton.autotune`` of a ``@triton.jit`` kernel, its grid and its keyword arguments) whose
-    autotune key this process has not seen, so the autotuner then only times them. Several
-    launches share one pool: the pieces path compiles its two passes together. Returns how many
-    compiles were started (0: every key seen before, ``PARALLEL_COMPILE`` off, or a Triton without
-    ``AsyncCompileMode``). A config that fails to compile is left for the autotuner to compile again
-    and report or skip."""
-    if not PARALLEL_COMPILE:
+def compile_configs(kernel, args: dict, configs) -> int:
+    """Compile ``kernel`` (a ``@triton.jit`` function) for each config on these keyword arguments,
+    in threads, without launching it; the kernels land in its cache, where the autotuner's launches
+    find them. Returns how many compiles were started (0 with one config, ``PARALLEL_COMPILE`` off,
+    or a Triton without ``AsyncCompileMode``, before 3.5). A config that fails to compile is left
+    for the autotuner to compile again and report or skip."""
+    if not PARALLEL_COMPILE or len(configs) < 2:
         return 0
     try:
         from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # Triton before 3.5: the autotuner compiles one config after another
-        return 0
-    work = []
-    for tuner, grid, args in launches:
-        tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
-        key = (id(tuner), str(tensors[0].device), *(args[name] for name in tuner.keys),
-               *(str(t.dtype) for t in tensors))
-        if key in _compiled_keys:
-            continue
-        _compiled_keys.add(key)
-        configs = prune(tuner.configs, args)
-        if len(configs) > 1:
-            work += [(tuner.fn, grid, args, cfg) for cfg in configs]
-    if not work:
+    except ImportError:
         return 0
     try:
-        with ThreadPoolExecutor(min(len(work), os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
-            for kernel, grid, args, cfg in work:
-                kernel.warmup(grid=grid, **args, **cfg.all_kwargs())
+        with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+            for cfg in configs:
+                kernel.warmup(grid=(1,), **args, **cfg.all_kwargs())
     except Exception:  # noqa: BLE001  the autotuner compiles what is missing and reports real errors
         pass
-    return len(work)
+    return len(configs)
+
+
+class Pruner:
+    """The ``early_config_prune`` of ``kernel``'s autotuner: ``prune``, then ``compile_configs`` on
+    what is kept. The autotuner calls it once per new key, just before timing the candidates, so
+    the compiling costs nothing on later calls."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs)
+        compile_configs(self.kernel, {**named_args, **kwargs}, kept)
+        return kept
 
 
 def autotune_timing(kernel_call, quantiles):

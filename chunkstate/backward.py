@@ -191,14 +191,14 @@ def chunk_bwd_kernel_dh(
             tl.store(decay_v + i_nh * V + o_v, b_dv, mask=m_v)
 
 
-def _backward_launch(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
+def _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
                      BT, BS, state_v_first, config=None, decay_k=None, decay_v=None):
-    """``chunk_bwd_kernel_dh``'s keyword arguments and grid for one launch, or None when there is
-    nothing to do. ``dh`` None: store no gradients (only ``dh0`` and, given ``decay_k``, each
-    sequence's total decay)."""
+    """Launch ``chunk_bwd_kernel_dh``: autotuned, or with one explicit ``triton.Config``.
+
+    ``dh`` None: store no gradients (only ``dh0`` and, given ``decay_k``, each sequence's total decay)."""
     B, T, HQ, _ = q.shape
     if N * H * K * V == 0:
-        return None
+        return
     tma_ok = _tuning.tma_usable(q, do, gk, gv)
     _check_tma_config(config, tma_ok, "q, do, gk, gv")
     if tma_ok and q.is_cuda:
@@ -215,34 +215,18 @@ def _backward_launch(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
-    return args, grid
-
-
-def _run_backward(launch, config=None):
-    """Launch ``chunk_bwd_kernel_dh`` as ``_backward_launch`` prepared it (None: nothing to do):
-    autotuned, a new key's candidates compiled side by side first (``_tuning.compile_candidates``),
-    or with one explicit ``triton.Config``."""
-    if launch is None:
-        return
-    args, grid = launch
     if config is None:
-        _tuning.compile_candidates((_tuned_backward, grid, args))
         _tuned_backward[grid](**args)
     else:
         chunk_bwd_kernel_dh[grid](**args, **config.kwargs, num_warps=config.num_warps,
                                   num_stages=config.num_stages)
 
 
-def _launch_backward(*launch_args, config=None, **launch_kwargs):
-    """Prepare and run one launch (arguments as ``_backward_launch``)."""
-    _run_backward(_backward_launch(*launch_args, config=config, **launch_kwargs), config)
-
-
 _tuned_backward = triton.autotune(
     configs=_tuning.CONFIGS,
     key=["K", "V", "NG", "BT", "BS", "GRID", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
          "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
-    prune_configs_by={"early_config_prune": _tuning.prune},
+    prune_configs_by={"early_config_prune": _tuning.Pruner(chunk_bwd_kernel_dh)},
     do_bench=_tuning.autotune_timing,
 )(chunk_bwd_kernel_dh)
 
@@ -343,5 +327,5 @@ def chunk_bwd_dh(
                                    BT, BS, state_v_first, P, config)
     else:
         _launch_backward(q, do, dh, g, g_gamma, gk, gv, dht, dh0, cu_seqlens, split_offsets, scale, N, H, K, V,
-                         BT, BS, state_v_first, config=config)
+                         BT, BS, state_v_first, config)
     return dh, dh0

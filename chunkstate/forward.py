@@ -231,15 +231,15 @@ def _check_tma_config(config, tma_ok: bool, names: str) -> None:
             "(size x element bytes) are multiples of 16 bytes; pass a config with USE_TMA=False")
 
 
-def _forward_launch(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
+def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
                     state_v_first, config=None, decay_k=None, decay_v=None):
-    """``chunk_fwd_kernel_h``'s keyword arguments and grid for one launch, or None when there is
-    nothing to do (N·H = 0). ``h`` None: store no states (only ``ht`` and, given ``decay_k``, each
-    sequence's total decay)."""
+    """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``.
+
+    ``h`` None: store no states (only ``ht`` and, given ``decay_k``, each sequence's total decay)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     if N * H == 0:
-        return None
+        return
     tma_ok = _tuning.tma_usable(k, v, gk, gv)
     _check_tma_config(config, tma_ok, "k, v, gk, gv")
     if tma_ok and k.is_cuda:
@@ -256,34 +256,18 @@ def _forward_launch(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
-    return args, grid
-
-
-def _run_forward(launch, config=None):
-    """Launch ``chunk_fwd_kernel_h`` as ``_forward_launch`` prepared it (None: nothing to do):
-    autotuned, a new key's candidates compiled side by side first (``_tuning.compile_candidates``),
-    or with one explicit ``triton.Config``."""
-    if launch is None:
-        return
-    args, grid = launch
     if config is None:
-        _tuning.compile_candidates((_tuned_forward, grid, args))
         _tuned_forward[grid](**args)
     else:
         chunk_fwd_kernel_h[grid](**args, **config.kwargs, num_warps=config.num_warps,
                                  num_stages=config.num_stages)
 
 
-def _launch_forward(*launch_args, config=None, **launch_kwargs):
-    """Prepare and run one launch (arguments as ``_forward_launch``)."""
-    _run_forward(_forward_launch(*launch_args, config=config, **launch_kwargs), config)
-
-
 _tuned_forward = triton.autotune(
     configs=_tuning.CONFIGS,
     key=["K", "V", "BT", "BS", "GRID", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
          "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
-    prune_configs_by={"early_config_prune": _tuning.prune},
+    prune_configs_by={"early_config_prune": _tuning.Pruner(chunk_fwd_kernel_h)},
     do_bench=_tuning.autotune_timing,
 )(chunk_fwd_kernel_h)
 
@@ -361,7 +345,7 @@ def chunk_fwd_h(
                                   config)
     else:
         _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
-                        state_v_first, config=config)
+                        state_v_first, config)
     return h, ht
 
 

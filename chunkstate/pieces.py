@@ -115,16 +115,18 @@ def piece_scan_kernel(
         _store_state(s_end + i_nh * K * V, b_s, o_k, o_v, K, V, STATE_V_FIRST)
 
 
-def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first, S):
-    """Run ``piece_scan_kernel``, writing S [NP, H, K, V] fp32 (layout as ``F``)."""
+def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first):
+    """Run ``piece_scan_kernel``: returns S [NP, H, K, V] fp32 (layout as ``F``)."""
+    S = torch.empty_like(F)
     if N * H == 0:
-        return
+        return S
     BK, BV = min(64, _host.next_power_of_2(K)), min(64, _host.next_power_of_2(V))
     grid = (_host.cdiv(K, BK) * _host.cdiv(V, BV) * N * H,)
     piece_scan_kernel[grid](F, decay_k, decay_v, s0, S, s_end, seq_pieces, H=H, K=K, V=V, BK=BK, BV=BV,
                             USE_DECAY_V=decay_v is not None, USE_S0=s0 is not None,
                             STORE_END=s_end is not None, REVERSE=reverse, STATE_V_FIRST=state_v_first,
                             num_warps=4)
+    return S
 
 
 def _packed(B: int, T: int, x):
@@ -145,7 +147,7 @@ def _device_plan(lengths: tuple[int, ...], BS: int, pieces: int, dev: torch.devi
 def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
     """The piece plan on the device and the first pass's outputs: (cu_pieces, seq_pieces,
     split_offsets of the pieces, NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32,
-    decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_host.on_device``),
+    decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_device_plan``),
     so a repeated call copies nothing to the device and waits for nothing."""
     cu_pieces, seq_pieces, split_offsets, NP = _device_plan(tuple(lengths), BS, pieces, dev)
     state = (V, K) if state_v_first else (K, V)
@@ -159,25 +161,21 @@ def forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, s
                       config=None):
     """The forward's three steps (module docstring) for sequences of the given lengths, packed
     along T (a dense batch is passed as one packed row). Fills ``h`` and ``ht`` in place."""
-    from .forward import _forward_launch, _run_forward, _tuned_forward
+    from .forward import _launch_forward
 
     B, T, H, K = k.shape
     V = v.shape[-1]
     k, v, g, gk, gv = (_packed(B, T, x) for x in (k, v, g, gk, gv))
     cu_pieces, seq_pieces, piece_splits, NP, F, decay_k, decay_v = _piece_buffers(
         lengths, BS, pieces, H, K, V, state_v_first, gv is not None, k.device)
-    S = torch.empty_like(F)  # [NP, H, K, V] fp32: the true state entering each piece (step 2)
     # 1. each piece from zero: its contribution F_p and its total decay D_p
-    first = _forward_launch(k, v, None, g, g_gamma, gk, gv, None, F, cu_pieces, None, NP, BT, BS,
-                            state_v_first, config, decay_k=decay_k, decay_v=decay_v)
+    _launch_forward(k, v, None, g, g_gamma, gk, gv, None, F, cu_pieces, None, NP, BT, BS,
+                    state_v_first, config, decay_k=decay_k, decay_v=decay_v)
+    # 2. the true state entering each piece (and ht)
+    S = scan(F, decay_k, decay_v, h0, ht, seq_pieces, N, H, K, V, False, state_v_first)
     # 3. each piece again from its true initial state, storing its states in place
-    third = _forward_launch(k, v, h.view(1, -1, *h.shape[2:]), g, g_gamma, gk, gv, S, None, cu_pieces,
-                            piece_splits, NP, BT, BS, state_v_first, config)
-    if config is None and first is not None:  # a first call compiles both passes' candidates at once
-        _tuning.compile_candidates((_tuned_forward, first[1], first[0]), (_tuned_forward, third[1], third[0]))
-    _run_forward(first, config)
-    scan(F, decay_k, decay_v, h0, ht, seq_pieces, N, H, K, V, False, state_v_first, S)  # 2. S (and ht)
-    _run_forward(third, config)
+    _launch_forward(k, v, h.view(1, -1, *h.shape[2:]), g, g_gamma, gk, gv, S, None, cu_pieces,
+                    piece_splits, NP, BT, BS, state_v_first, config)
 
 
 def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, N, H, K, V, BT, BS,
@@ -186,22 +184,17 @@ def backward_in_pieces(q, do, dh, g, g_gamma, gk, gv, dht, dh0, scale, lengths, 
     (its contribution Q_p to the gradient entering it, and its decay D_p); a reverse scan
     ``dS_{p} = D_{p+1} ⊙ dS_{p+1} + Q_{p+1}`` from ``dht`` (the gradient leaving each piece; the
     last one is ``dh0``); each piece again from its true ``dS_p``, storing ``dh`` in place."""
-    from .backward import _backward_launch, _run_backward, _tuned_backward
+    from .backward import _launch_backward
 
     B, T = q.shape[:2]
     q, do, g, gk, gv = (_packed(B, T, x) for x in (q, do, g, gk, gv))
     cu_pieces, seq_pieces, piece_splits, NP, Q, decay_k, decay_v = _piece_buffers(
         lengths, BS, pieces, H, K, V, state_v_first, gv is not None, q.device)
-    dS = torch.empty_like(Q)  # [NP, H, K, V] fp32: the true gradient leaving each piece (step 2)
     # 1. each piece from a zero gradient at its end
-    first = _backward_launch(q, do, None, g, g_gamma, gk, gv, None, Q, cu_pieces, None, scale, NP, H, K, V, BT,
-                             BS, state_v_first, config, decay_k=decay_k, decay_v=decay_v)
-    # 3. each piece again from its true gradient, storing dh in place
-    third = _backward_launch(q, do, dh.view(1, -1, *dh.shape[2:]), g, g_gamma, gk, gv, dS, None, cu_pieces,
-                             piece_splits, scale, NP, H, K, V, BT, BS, state_v_first, config)
-    if config is None and first is not None:
-        _tuning.compile_candidates((_tuned_backward, first[1], first[0]), (_tuned_backward, third[1], third[0]))
-    _run_backward(first, config)
+    _launch_backward(q, do, None, g, g_gamma, gk, gv, None, Q, cu_pieces, None, scale, NP, H, K, V, BT, BS,
+                     state_v_first, config, decay_k=decay_k, decay_v=decay_v)
     # 2. the true gradient leaving each piece (and dh0), scanning from the last piece
-    scan(Q, decay_k, decay_v, dht, dh0, seq_pieces, N, H, K, V, True, state_v_first, dS)
-    _run_backward(third, config)
+    dS = scan(Q, decay_k, decay_v, dht, dh0, seq_pieces, N, H, K, V, True, state_v_first)
+    # 3. each piece again from its true gradient, storing dh in place
+    _launch_backward(q, do, dh.view(1, -1, *dh.shape[2:]), g, g_gamma, gk, gv, dS, None, cu_pieces,
+                     piece_splits, scale, NP, H, K, V, BT, BS, state_v_first, config)
