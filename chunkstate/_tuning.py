@@ -226,7 +226,7 @@ def compile_configs(kernel, args: dict, configs) -> int:
             for cfg in configs:
                 kernel.warmup(grid=(1,), **args, **cfg.all_kwargs())
     except Exception:  # noqa: BLE001  the autotuner compiles what is missing and reports real errors
-        pass
+        return 0
     return len(configs)
 
 
@@ -240,7 +240,8 @@ class Pruner:
 
     def __call__(self, configs, named_args, **kwargs):
         kept = prune(configs, named_args, **kwargs)
-        compile_configs(self.kernel, {**named_args, **kwargs}, kept)
+        given = {**named_args, **kwargs}  # also holds the launch's grid and warmup flag: drop them
+        compile_configs(self.kernel, {name: given[name] for name in self.kernel.arg_names if name in given}, kept)
         return kept
 
 
