@@ -5,7 +5,9 @@ shape is reused for every later B, T, H — and a first call costs 34-49 s on an
 also holds ``GRID``: how many (sequence, head) pairs there are relative to the GPU's
 multiprocessors, bucketed (a one-wave launch wants small tiles and deep prefetch; a full grid
 wants big tiles). For each key a short candidate list is pruned from ``CONFIGS`` by K, V and that
-bucket, so a first call compiles and times only a handful of configs.
+bucket, so a first call compiles and times only a handful of configs; ``Pruner`` compiles that
+handful side by side in threads before the autotuner times them, and ``autotune_timing`` times
+each for 30 ms instead of Triton's 125.
 
 Under Triton's interpreter ``@triton.autotune`` accepts one config only: ``CONFIGS`` collapses
 to a single one there (the tests run every config explicitly through the ``config=`` argument).
