@@ -251,7 +251,7 @@ def autotune_timing(kernel_call, quantiles):
     """How the autotuner times one candidate: ``triton.testing.do_bench`` with 5 ms of warm-up and
     25 ms of repeats (Triton's default, 25 and 100 ms, cost ~0.15 s per candidate; on an H200 the
     shorter timing picked the same configs at B1 T131072 H4 and B1 T65536 H32 and cut their first
-    call by 0.4-1 s)."""
+    call by 0.5-1.0 s)."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 

@@ -19,8 +19,6 @@ programs; ``auto_pieces`` decides, and ``chunk_fwd_h(..., pieces=P)`` lets the c
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -134,22 +132,16 @@ def _packed(B: int, T: int, x):
     return None if x is None else x.reshape(1, B * T, *x.shape[2:])
 
 
-@functools.lru_cache(maxsize=_host.MAX_ENTRIES)
-def _device_plan(lengths: tuple[int, ...], BS: int, pieces: int, dev: torch.device):
-    """``plan`` on the device, made once per (lengths, BS, pieces, device): (cu_pieces,
-    seq_pieces, split_offsets of the pieces, NP)."""
-    cu_host, seq_host = plan(list(lengths), BS, pieces)
-    _, split_offsets = _host.split_slots(_host.lengths(cu_host), BS, dev)
-    return (_host.on_device(cu_host, torch.int32, dev), _host.on_device(seq_host, torch.int32, dev),
-            split_offsets, len(cu_host) - 1)
-
-
 def _piece_buffers(lengths, BS, pieces, H, K, V, state_v_first, use_gv, dev):
     """The piece plan on the device and the first pass's outputs: (cu_pieces, seq_pieces,
     split_offsets of the pieces, NP, F [NP, H, K, V] fp32, decay_k [NP, H, K] fp32,
-    decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_device_plan``),
+    decay_v [NP, H, V] fp32 or None). The plan's tensors are cached per plan (``_host.on_device``),
     so a repeated call copies nothing to the device and waits for nothing."""
-    cu_pieces, seq_pieces, split_offsets, NP = _device_plan(tuple(lengths), BS, pieces, dev)
+    cu_host, seq_host = plan(lengths, BS, pieces)
+    cu_pieces = _host.on_device(cu_host, torch.int32, dev)
+    seq_pieces = _host.on_device(seq_host, torch.int32, dev)
+    _, split_offsets = _host.split_slots(_host.lengths(cu_host), BS, dev)
+    NP = len(cu_host) - 1
     state = (V, K) if state_v_first else (K, V)
     F = torch.empty(NP, H, *state, dtype=torch.float32, device=dev)
     decay_k = torch.empty(NP, H, K, dtype=torch.float32, device=dev)
