@@ -97,6 +97,22 @@ def grid_bucket(num_heads_total: int) -> int:
     return len(bucket_limits())
 
 
+def narrow_v(bucket: int) -> bool:
+    """Whether the forward scales v by the scalar gate ``g`` in v's own dtype (the product rounded
+    at once, as fla-core does, the kernel's ``NARROW_V``) rather than in fp32 until the dot. Both
+    round once, at the same place in the arithmetic, so the states are the same bits; only the
+    registers the compiler needs differ. Up to a quarter wave of programs (buckets 0 and 1), where
+    each SM runs one program whose chunk step is bound by latency, the narrow form is faster; from
+    there on the fp32 form is.
+
+    Measured on an H200 (bf16, ``g``, the same configs both ways, ms): B1 T65536 H32 64×64 with 4
+    warps and 4 stages 0.750 → 0.679 (TMA loads: 0.796 → 0.678; fla-core's kernel on that config
+    0.671), with split 256 0.642 → 0.620, fp32 states 0.955 → 0.941; B2 T16384 H16 0.182 → 0.167.
+    Around a full wave it went the other way: B1 T8192 H96 64×64 with 2 warps and 3 stages 0.240
+    → 0.282, with 4 warps and 2 stages 0.254 → 0.265; B8 T4096 H16 64×128 unchanged (0.147)."""
+    return bucket <= 1
+
+
 def candidates(K: int, V: int, bucket: int, tma: bool = False,
                vector_gates: bool = False) -> list[tuple[int, int, int, int, bool]]:
     """The short list (BK, BV, num_warps, num_stages, USE_TMA) tried for one key.

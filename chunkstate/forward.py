@@ -117,7 +117,9 @@ def chunk_fwd_kernel_h(
     STORE_STATES: tl.constexpr = True,  # False: only ht (and decays) — the pieces' first pass
     STORE_DECAY: tl.constexpr = False,
     USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
+    NARROW_V: tl.constexpr = False,  # scale v by g in v's own dtype (g alone; see _tuning.narrow_v)
 ):
+    tl.static_assert(not NARROW_V or (USE_G and not USE_G_GAMMA and not USE_GV), "NARROW_V is for the gate g alone")
     i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)
     bos, T, boh = _sequence(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
@@ -165,7 +167,7 @@ def chunk_fwd_kernel_h(
         else:
             b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
             b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if USE_G or USE_G_GAMMA or USE_GV:
+        if (USE_G or USE_G_GAMMA or USE_GV) and not NARROW_V:
             b_v = b_v.to(tl.float32)
         if USE_GK:
             b_k = b_k.to(tl.float32)
@@ -174,7 +176,11 @@ def chunk_fwd_kernel_h(
             b_g = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
             b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
             b_h *= tl.math.exp2(b_g_last)
-            b_v *= tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
+            if NARROW_V:  # as fla does: the product rounded to v's dtype at once, rows past T left as
+                # 0 · 2^{Γ} (finite whenever 2^{Γ} is; where it is not, h above is already inf)
+                b_v = (b_v * tl.math.exp2(b_g_last - b_g)[:, None]).to(k.dtype.element_ty)
+            else:
+                b_v *= tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
             if STORE_DECAY:
                 b_dk += b_g_last
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1), Γ = γ·(valid length)
@@ -231,6 +237,19 @@ def _check_tma_config(config, tma_ok: bool, names: str) -> None:
             "(size x element bytes) are multiples of 16 bytes; pass a config with USE_TMA=False")
 
 
+def _config_kwargs(config, g_alone: bool, narrow: bool) -> tuple[dict, bool]:
+    """An explicit config's kernel keywords without ``NARROW_V``, and whether v is scaled narrow:
+    the config's ``NARROW_V`` where it gives one (refused unless ``g`` is the only gate on v),
+    else ``narrow`` (``_tuning.narrow_v``'s answer)."""
+    kwargs = dict(config.kwargs)
+    if "NARROW_V" in kwargs:
+        narrow = bool(kwargs.pop("NARROW_V"))
+        if narrow and not g_alone:
+            raise ValueError("config asks for NARROW_V=True (v scaled by the gate g in v's own dtype), which needs "
+                             "g given and neither g_gamma nor gv; pass NARROW_V=False or leave it out")
+    return kwargs, narrow
+
+
 def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
                     state_v_first, config=None, decay_k=None, decay_v=None):
     """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``.
@@ -244,22 +263,26 @@ def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offse
     _check_tma_config(config, tma_ok, "k, v, gk, gv")
     if tma_ok and k.is_cuda:
         _tuning.ensure_allocator()
+    bucket = _tuning.grid_bucket(N * H)
     args = dict(k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 T=T, H=H, K=K, V=V, BT=BT, BS=BS,
-                GRID=_tuning.grid_bucket(N * H), TMA_OK=int(tma_ok),
+                GRID=bucket, TMA_OK=int(tma_ok),
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
                 IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first,
                 STORE_STATES=h is not None, STORE_DECAY=decay_k is not None)
+    g_alone = g is not None and g_gamma is None and gv is None
+    narrow = g_alone and _tuning.narrow_v(bucket)
 
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     if config is None:
-        _tuned_forward[grid](**args)
+        _tuned_forward[grid](**args, NARROW_V=narrow)
     else:
-        chunk_fwd_kernel_h[grid](**args, **config.kwargs, num_warps=config.num_warps,
+        kwargs, narrow = _config_kwargs(config, g_alone, narrow)
+        chunk_fwd_kernel_h[grid](**args, **kwargs, NARROW_V=narrow, num_warps=config.num_warps,
                                  num_stages=config.num_stages)
 
 
@@ -309,8 +332,10 @@ def chunk_fwd_h(
             None (default) decides from the occupancy (only far below one wave of programs),
             1 never splits. The result is the same up to rounding.
         config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
-            tiles through TMA descriptors, ValueError where the inputs do not allow it) instead of
-            autotuning.
+            tiles through TMA descriptors, ValueError where the inputs do not allow it; ``NARROW_V``:
+            scale v by ``g`` in v's own dtype or in fp32, the same numbers either way, by default
+            as ``_tuning.narrow_v`` decides; ValueError unless ``g`` is the only gate on v) instead
+            of autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
             [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);

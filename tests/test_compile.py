@@ -54,6 +54,7 @@ class FlagSet:
     name: str
     args: dict  # every kernel argument but BK / BV -> ptr(..), None, or a scalar / constexpr value
     with_candidates: bool = False  # also compile every config the autotuner can try for (K, V)
+    buckets: tuple = ()  # with_candidates: only the candidates of these grid buckets, for this flag set's gates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,12 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
         T=4096, GRID=3, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
         USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, IS_VARLEN=True, STATE_V_FIRST=True,
         STORE_STATES=True, STORE_DECAY=False)),
+    FlagSet("bf16-dense-g-narrow-v", dict(  # g alone below a quarter wave: v scaled in bf16 (_tuning.narrow_v)
+        k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), h0=None, ht=ptr("fp32"),
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, GRID=1, TMA_OK=1,
+        H=32, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
+        USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
+        STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), with_candidates=True, buckets=(0, 1)),
     FlagSet("bf16-pieces-pass-gk-gv-decays", dict(  # the pieces' first pass: ht and decays only
         k=ptr("bf16"), v=ptr("bf16"), h=None, **dict(_NO_GATES, gk=ptr("fp32"), gv=ptr("fp32")),
         h0=None, ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=None, decay_k=ptr("fp32"),
@@ -109,13 +116,13 @@ def _fits(key, K, V) -> bool:
     return key[0] <= max(16, triton.next_power_of_2(K)) and key[1] <= max(16, triton.next_power_of_2(V))
 
 
-def candidate_keys(K: int, V: int) -> list[tuple]:
-    """Every config the autotuner may try for (K, V), over all grid buckets, with and without TMA
-    loads and vector gates (``_tuning.prune``)."""
+def candidate_keys(K: int, V: int, buckets=None, vector_gates=(False, True)) -> list[tuple]:
+    """Every config the autotuner may try for (K, V), over all grid buckets (or these), with and
+    without TMA loads and vector gates (or these) (``_tuning.prune``)."""
     keys = []
-    for bucket in range(_tuning.N_BUCKETS):
+    for bucket in buckets or range(_tuning.N_BUCKETS):
         for tma in (0, 1):
-            for gk in (False, True):
+            for gk in vector_gates:
                 args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gk}
                 keys += [_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
     return list(dict.fromkeys(keys))
@@ -136,7 +143,10 @@ def jobs() -> list[tuple[str, str, tuple, str]]:
             K, V = fs.args["K"], fs.args["V"]
             pool = [_tuning.key(c) for c in _tuning.ALL_CONFIGS if _fits(_tuning.key(c), K, V)]
             chosen = {}
-            if fs.with_candidates:
+            if fs.with_candidates and fs.buckets:
+                vector = (bool(fs.args["USE_GK"] or fs.args["USE_GV"]),)
+                chosen.update({key: "candidate" for key in candidate_keys(K, V, fs.buckets, vector)})
+            elif fs.with_candidates:
                 chosen.update({key: "candidate" for key in candidate_keys(K, V)})
             rest = [key for key in pool if key not in chosen]
             if every:
@@ -290,6 +300,12 @@ def test_job_list_holds_every_candidate():
     main = FORWARD.flag_sets[0]
     keys = {key for kernel, fs, key, _ in JOBS if kernel == "forward" and fs == main.name}
     assert set(candidate_keys(main.args["K"], main.args["V"])) <= keys
+    narrow = {key for kernel, fs, key, _ in JOBS if fs == "bf16-dense-g-narrow-v"}
+    for bucket in (0, 1):  # where _tuning.narrow_v holds: every candidate, TMA or not
+        assert _tuning.narrow_v(bucket)
+        for tma in (0, 1):
+            args = {"K": 128, "V": 128, "GRID": bucket, "TMA_OK": tma, "USE_GK": False}
+            assert {_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)} <= narrow
     every = {_tuning.key(c) for c in _tuning.ALL_CONFIGS}
     for kernel, fs, key, why in JOBS:
         assert why == "candidate" or key in every, (kernel, fs, key)

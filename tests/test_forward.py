@@ -477,6 +477,49 @@ def test_tma_candidates_only_where_usable():
         assert 2 * sum(_tuning.key(c)[4] for c in on) > len(on)
 
 
+# -- the scalar gate's scaling of v: in v's own dtype below a quarter wave, else in fp32
+
+def test_narrow_v_only_below_a_quarter_wave():
+    """``_tuning.narrow_v``: v is scaled by g in its own dtype in grid buckets 0 and 1 (under a
+    quarter wave of (sequence, head) pairs), in fp32 from bucket 2 on."""
+    assert [_tuning.narrow_v(b) for b in range(_tuning.N_BUCKETS)] == [True, True, False, False, False]
+
+
+def test_narrow_and_wide_v_give_the_same_states(monkeypatch, device):
+    """Scaled in v's dtype (``NARROW_V``: the product rounded at once, as fla does) or in fp32 until
+    the dot, v is rounded once at the same point: both give the loop's states, bit for bit the same.
+    The gate grows (g > 0, so Γ > 0) and the last chunk is ragged (T = 100): its rows past T are
+    0 · 2^Γ in the narrow form and must stay 0. Autotuned, the launcher asks ``_tuning.narrow_v``
+    (here bucket 0: narrow). With a second gate on v (gv) an explicit ``NARROW_V=True`` is refused."""
+    asked = []
+
+    def spy(bucket, real=_tuning.narrow_v):
+        asked.append((bucket, real(bucket)))
+        return real(bucket)
+
+    monkeypatch.setattr(_tuning, "narrow_v", spy)
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+    for dtype in dtypes:
+        tol = GPU_TOL[dtype] if ON_GPU else TOL[dtype]
+        case = make_case(2, 100, 3, 24, 40, dtype, ("g",), True, None, device)
+        case["nat"]["g"] = 0.05 * torch.rand(2, 100, 3, device=device)  # growing by up to 5 % a token
+        out = {}
+        for narrow in (False, True):
+            cfg = triton.Config({"BK": 32, "BV": 64, "NARROW_V": narrow}, num_warps=4, num_stages=1)
+            out[narrow] = check_against_loop(case, tol, tol, 64, 64, what=f"{dtype} NARROW_V={narrow}", config=cfg)
+        assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1]), dtype
+        asked.clear()
+        auto = run_kernel(case, 64, 64)
+        assert asked == [(0, True)], asked
+        assert torch.equal(auto[0], out[True][0]), dtype
+    case = make_case(2, 100, 3, 24, 40, torch.float32, ("g", "gv"), False, None, device)
+    with pytest.raises(ValueError, match=r"NARROW_V=True.*neither g_gamma nor gv"):
+        run_kernel(case, 64, config=triton.Config({"BK": 32, "BV": 64, "NARROW_V": True}, num_warps=4, num_stages=1))
+    asked.clear()
+    check_against_loop(case, TOL_TF32 if ON_GPU else TOL_FP32, TOL_TF32 if ON_GPU else TOL_FP32, 64, what="g+gv")
+    assert asked == [], "with gv the launcher must not scale v narrow, whatever the bucket"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU only
 # ---------------------------------------------------------------------------------------------
@@ -543,6 +586,21 @@ def test_gpu_every_config(cfg, all_config_case):
     h, ht = run_kernel(case, 64, config=cfg, pieces=1)  # the plain kernel, not sequence pieces
     check_close(h, h_ref, f"{_tuning.name(cfg)} h", TOL_BF16)
     check_close(ht, ht_ref, f"{_tuning.name(cfg)} ht", TOL_BF16)
+
+
+# The candidates of the buckets where v is scaled in its own dtype (g alone), each run that way:
+# B2 H2 is bucket 0, so every one of them, pointer or TMA loads, compiles with NARROW_V.
+NARROW_CONFIGS = list(dict.fromkeys(
+    c for bucket in range(_tuning.N_BUCKETS) if _tuning.narrow_v(bucket) for tma in (0, 1)
+    for c in _tuning.prune(_tuning.ALL_CONFIGS, {"K": 128, "V": 128, "GRID": bucket, "TMA_OK": tma})))
+
+
+@gpu_only
+@pytest.mark.parametrize("cfg", NARROW_CONFIGS, ids=_tuning.name)
+def test_gpu_every_narrow_v_config(cfg, device):
+    assert _tuning.narrow_v(_tuning.grid_bucket(ALL_CONFIG_SHAPE["B"] * ALL_CONFIG_SHAPE["H"]))
+    case = make_case(**ALL_CONFIG_SHAPE, dtype=torch.bfloat16, gate_names=("g",), use_h0=True, device=device)
+    check_against_loop(case, TOL_BF16, TOL_BF16, 64, what=_tuning.name(cfg), config=cfg, pieces=1)
 
 
 # -- fla-core 0.6.0 where it is right (not g together with g_gamma)
