@@ -100,8 +100,8 @@ def grid_bucket(num_heads_total: int) -> int:
 def narrow_v(bucket: int) -> bool:
     """Whether the forward scales v by the scalar gate ``g`` in v's own dtype (the product rounded
     at once, as fla-core does, the kernel's ``NARROW_V``) rather than in fp32 until the dot. Both
-    round once, at the same place in the arithmetic, so the states are the same bits; only the
-    registers the compiler needs differ. Up to a quarter wave of programs (buckets 0 and 1), where
+    round once, at the same place in the arithmetic, so the states are the same bits; only what
+    the compiler keeps alive and how it schedules the chunk step differ. Up to a quarter wave of programs (buckets 0 and 1), where
     each SM runs one program whose chunk step is bound by latency, the narrow form is faster; from
     there on the fp32 form is.
 
