@@ -101,9 +101,9 @@ def narrow_v(bucket: int) -> bool:
     """Whether the forward scales v by the scalar gate ``g`` in v's own dtype (the product rounded
     at once, as fla-core does, the kernel's ``NARROW_V``) rather than in fp32 until the dot. Both
     round once, at the same place in the arithmetic, so the states are the same bits; only what
-    the compiler keeps alive and how it schedules the chunk step differ. Up to a quarter wave of programs (buckets 0 and 1), where
-    each SM runs one program whose chunk step is bound by latency, the narrow form is faster; from
-    there on the fp32 form is.
+    the compiler keeps alive and how it schedules the chunk step differ. Up to a quarter wave of
+    programs (buckets 0 and 1), where each SM runs one program whose chunk step is bound by
+    latency, the narrow form is faster; from there on the fp32 form is.
 
     Measured on an H200 (bf16, ``g``, the same configs both ways, ms): B1 T65536 H32 64×64 with 4
     warps and 4 stages 0.750 → 0.679 (TMA loads: 0.796 → 0.678; fla-core's kernel on that config

@@ -143,11 +143,9 @@ def jobs() -> list[tuple[str, str, tuple, str]]:
             K, V = fs.args["K"], fs.args["V"]
             pool = [_tuning.key(c) for c in _tuning.ALL_CONFIGS if _fits(_tuning.key(c), K, V)]
             chosen = {}
-            if fs.with_candidates and fs.buckets:
-                vector = (bool(fs.args["USE_GK"] or fs.args["USE_GV"]),)
+            if fs.with_candidates:  # given buckets: only theirs, for this flag set's gates
+                vector = (bool(fs.args["USE_GK"] or fs.args["USE_GV"]),) if fs.buckets else (False, True)
                 chosen.update({key: "candidate" for key in candidate_keys(K, V, fs.buckets, vector)})
-            elif fs.with_candidates:
-                chosen.update({key: "candidate" for key in candidate_keys(K, V)})
             rest = [key for key in pool if key not in chosen]
             if every:
                 chosen.update({key: "all" for key in rest})
@@ -300,9 +298,11 @@ def test_job_list_holds_every_candidate():
     main = FORWARD.flag_sets[0]
     keys = {key for kernel, fs, key, _ in JOBS if kernel == "forward" and fs == main.name}
     assert set(candidate_keys(main.args["K"], main.args["V"])) <= keys
-    narrow = {key for kernel, fs, key, _ in JOBS if fs == "bf16-dense-g-narrow-v"}
-    for bucket in (0, 1):  # where _tuning.narrow_v holds: every candidate, TMA or not
-        assert _tuning.narrow_v(bucket)
+    narrow_set = next(fs for fs in FORWARD.flag_sets if fs.args.get("NARROW_V"))
+    narrow_buckets = tuple(b for b in range(_tuning.N_BUCKETS) if _tuning.narrow_v(b))
+    assert narrow_set.buckets == narrow_buckets, "the NARROW_V flag set must follow _tuning.narrow_v"
+    narrow = {key for kernel, fs, key, _ in JOBS if fs == narrow_set.name}
+    for bucket in narrow_buckets:  # every candidate there, TMA or not
         for tma in (0, 1):
             args = {"K": 128, "V": 128, "GRID": bucket, "TMA_OK": tma, "USE_GK": False}
             assert {_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)} <= narrow
