@@ -10,78 +10,23 @@ and ``Γ = G[last valid token]``::
 
 The scalar gates ``g`` / ``g_gamma`` scale v's rows; ``gk`` scales k (key side) and ``h``'s rows;
 ``gv`` scales v's columns and ``h``'s columns. They compose: any combination may be given.
+The parts the kernel is built from (and the fast paths behind them) are in ``kernel_parts``.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _host, _tuning, _validate
+from . import _validate, launch, tuning
+from . import pieces as _pieces
+from .kernel_parts import (chunk_rows, chunk_mask, constant_gate, decay_rows, gate_last, load_rows, load_rows_t,
+                           load_state, program_tile, scalar_gate, sequence_bounds, store_decays, store_state)
 
 
-@triton.jit
-def _store_state(p, b, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    """Store a [BK, BV] tile at base ``p`` of a [K, V] state (or [V, K] with STATE_V_FIRST)."""
-    m = (o_k[:, None] < K) & (o_v[None, :] < V)
-    if STATE_V_FIRST:
-        tl.store(p + o_v[None, :] * K + o_k[:, None], b.to(p.dtype.element_ty), mask=m)
-    else:
-        tl.store(p + o_k[:, None] * V + o_v[None, :], b.to(p.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    """Load a [BK, BV] fp32 tile from base ``p`` of a [K, V] (or [V, K]) state."""
-    m = (o_k[:, None] < K) & (o_v[None, :] < V)
-    if STATE_V_FIRST:
-        b = tl.load(p + o_v[None, :] * K + o_k[:, None], mask=m, other=0.0)
-    else:
-        b = tl.load(p + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0)
-    return b.to(tl.float32)
-
-
-@triton.jit
-def _program_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Which [BK, BV] tile of which (sequence, head) this program owns, from a flat 1-D grid (no
-    65,535 limit): the tiles of one head are neighbours, so they share k, v (q, do) in L2.
-    Returns (i_nh, i_n, i_h) as int64 and (i_k, i_v) as int32."""
-    NK: tl.constexpr = (K + BK - 1) // BK
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_nh = pid // (NK * NV)
-    i_k = ((pid // NV) % NK).to(tl.int32)
-    i_v = (pid % NV).to(tl.int32)
-    return i_nh, i_nh // H, i_nh % H, i_k, i_v
-
-
-@triton.jit
-def _sequence(i_n, T, cu_seqlens, split_offsets, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
-              STORE_STATES: tl.constexpr):
-    """Sequence i_n's first token ``bos`` (int64), its length, and its first split slot ``boh``."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = bos * 0  # an int64 like the other branch's; only read when states are stored
-        if STORE_STATES:
-            boh = tl.load(split_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BS)
-    return bos, T, boh
-
-
-@triton.jit
-def _rows_descriptor(x, bos, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """A TMA descriptor over one sequence's rows of x [.., T, H, D] (from token ``bos``), read in
-    [BT, 1, BD] boxes: tokens at or past T and columns at or past D arrive as zeros, so a chunk
-    needs no masks and never reads the next sequence."""
-    # an empty sequence loads nothing, but its descriptor still needs a non-zero extent
-    return tl.make_tensor_descriptor(x + bos * H * D, shape=[tl.maximum(T, 1), H, D], strides=[H * D, D, 1],
-                                     block_shape=[BT, 1, BD])
-
-
-@triton.jit(do_not_specialize=["T", "GRID", "TMA_OK"])
+@triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK"])
 def chunk_fwd_kernel_h(
     k,  # [B, T, H, K]
     v,  # [B, T, H, V]
@@ -97,7 +42,7 @@ def chunk_fwd_kernel_h(
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     T,
-    GRID,  # autotune key only, never specialised: N·H relative to the SM count (see _tuning)
+    OCCUPANCY,  # autotune key only, never specialised: N·H against the SM count (tuning.occupancy_bucket)
     TMA_OK,  # autotune key only: 1 when k, v, gk, gv can be read through TMA descriptors
     H: tl.constexpr,
     K: tl.constexpr,
@@ -114,184 +59,77 @@ def chunk_fwd_kernel_h(
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
-    STORE_STATES: tl.constexpr = True,  # False: only ht (and decays) — the pieces' first pass
-    STORE_DECAY: tl.constexpr = False,
+    STORE_STATES: tl.constexpr = True,  # False: only ht (and decays): the pieces' first pass
+    STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
-    NARROW_V: tl.constexpr = False,  # scale v by g in v's own dtype (g alone; see _tuning.narrow_v)
+    NARROW_V: tl.constexpr = False,  # scale v by g in v's own dtype (g alone; tuning.narrow_v)
 ):
     tl.static_assert(not NARROW_V or (USE_G and not USE_G_GAMMA and not USE_GV), "NARROW_V is for the gate g alone")
-    i_nh, i_n, i_h, i_k, i_v = _program_tile(H, K, V, BK, BV)
-    bos, T, boh = _sequence(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
-    NT = tl.cdiv(T, BT)
+    i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)
+    bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
-    if USE_TMA:
-        d_k = _rows_descriptor(k, bos, T, H, K, BT, BK)
-        d_v = _rows_descriptor(v, bos, T, H, V, BT, BV)
-        if USE_GK:
-            d_gk = _rows_descriptor(gk, bos, T, H, K, BT, BK)
-        if USE_GV:
-            d_gv = _rows_descriptor(gv, bos, T, H, V, BT, BV)
-        i_h32 = i_h.to(tl.int32)  # descriptor coordinates are int32
-
-    o_t = tl.arange(0, BT)  # [BT]
+    src_k = chunk_rows(k, bos, T, H, K, BT, BK, USE_TMA)  # this sequence's rows of k, v, gk, gv
+    src_v = chunk_rows(v, bos, T, H, V, BT, BV, USE_TMA)
+    if USE_GK:
+        src_gk = chunk_rows(gk, bos, T, H, K, BT, BK, USE_TMA)
+    if USE_GV:
+        src_gv = chunk_rows(gv, bos, T, H, V, BT, BV, USE_TMA)
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
-    m_k = o_k < K
-    m_v = o_v < V
-    # Base pointers of this (sequence, head): token t of k is at p_k0 + t·H·K.
-    p_k0 = k + (bos * H + i_h) * K
-    p_v0 = v + (bos * H + i_h) * V
+    if USE_G_GAMMA:
+        b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if USE_INITIAL_STATE:
-        b_h = _load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
-    if USE_G_GAMMA:
-        b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
-    if STORE_DECAY:
-        b_dk = tl.zeros([BK], dtype=tl.float32)  # [BK] running sum of the chunks' Γ, key side
-        b_dv = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
+        b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+    b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
+    b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
-    for i_t in range(0, NT):
-        t0 = tl.cast(i_t, tl.int64) * BT  # first token of the chunk
+    for i_t in range(0, tl.cdiv(T, BT)):
         if STORE_STATES:
             if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
                 i_s = boh + i_t // CHUNKS_PER_SPLIT
-                _store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-        rows = t0 + o_t  # [BT] token index inside the sequence
-        m_t = rows < T
-        last = tl.minimum(t0 + BT, T) - 1  # last valid token of the chunk
-        # k is used transposed, [BK, BT], so the chunk's update is one [BK, BT] @ [BT, BV] dot.
-        if USE_TMA:
-            b_k = tl.trans(d_k.load([i_t * BT, i_h32, i_k * BK]).reshape(BT, BK))
-            b_v = d_v.load([i_t * BT, i_h32, i_v * BV]).reshape(BT, BV)
-        else:
-            b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if (USE_G or USE_G_GAMMA or USE_GV) and not NARROW_V:
-            b_v = b_v.to(tl.float32)
-        if USE_GK:
-            b_k = b_k.to(tl.float32)
-
-        if USE_G:  # scalar gate: rows of v, and all of h
-            b_g = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-            b_g_last = tl.load(g + (bos + last) * H + i_h).to(tl.float32)
+                store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+        m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
+        b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
+        b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
+        if USE_G:  # scalar gate: all of h, and v's rows
+            b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
             b_h *= tl.math.exp2(b_g_last)
-            if NARROW_V:  # as fla does: the product rounded to v's dtype at once, rows past T left as
-                # 0 · 2^{Γ} (finite whenever 2^{Γ} is; where it is not, h above is already inf)
-                b_v = (b_v * tl.math.exp2(b_g_last - b_g)[:, None]).to(k.dtype.element_ty)
-            else:
-                b_v *= tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
-            if STORE_DECAY:
-                b_dk += b_g_last
-        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1), Γ = γ·(valid length)
-            b_gg = b_gamma * (o_t + 1).to(tl.float32)  # [BT]
-            b_gg_last = b_gamma * (last - t0 + 1).to(tl.float32)
+            b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
+            b_decay_k += b_g_last
+        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
+            b_gg, b_gg_last = constant_gate(b_gamma, i_t, T, BT)  # [BT], Γ
             b_h *= tl.math.exp2(b_gg_last)
-            b_v *= tl.where(m_t, tl.math.exp2(b_gg_last - b_gg), 0.0)[:, None]
-            if STORE_DECAY:
-                b_dk += b_gg_last
-        if USE_GK:  # key-side gate: columns of kᵀ, rows of h
-            p_gk0 = gk + (bos * H + i_h) * K
-            if USE_TMA:
-                b_gk = tl.trans(d_gk.load([i_t * BT, i_h32, i_k * BK]).reshape(BT, BK)).to(tl.float32)
-            else:
-                b_gk = tl.load(p_gk0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                               other=0.0).to(tl.float32)  # [BK, BT]
-            b_gk_last = tl.load(p_gk0 + last * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            b_v = decay_rows(b_v, b_gg_last - b_gg, m_t, False)
+            b_decay_k += b_gg_last
+        if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
+            b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
+            b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
             b_h *= tl.math.exp2(b_gk_last)[:, None]
-            b_k *= tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
-            if STORE_DECAY:
-                b_dk += b_gk_last
-        if USE_GV:  # value-side gate: columns of v and of h
-            p_gv0 = gv + (bos * H + i_h) * V
-            if USE_TMA:
-                b_gv = d_gv.load([i_t * BT, i_h32, i_v * BV]).reshape(BT, BV).to(tl.float32)
-            else:
-                b_gv = tl.load(p_gv0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                               other=0.0).to(tl.float32)  # [BT, BV]
-            b_gv_last = tl.load(p_gv0 + last * (H * V) + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+            b_k = b_k.to(tl.float32) * tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
+            b_decay_k += b_gk_last
+        if USE_GV:  # value gate: h's columns, and v's
+            b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
+            b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
             b_h *= tl.math.exp2(b_gv_last)[None, :]
-            b_v *= tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
-            if STORE_DECAY:
-                b_dv += b_gv_last
-
-        # [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
+            b_v = b_v.to(tl.float32) * tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
+            b_decay_v += b_gv_last
+        # h += kᵀ v: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
         b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
 
     if STORE_FINAL_STATE:
-        _store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-    if STORE_DECAY:  # one writer per element: the tiles of the first column (row) of tiles
-        if i_v == 0:
-            tl.store(decay_k + i_nh * K + o_k, b_dk, mask=m_k)
-        if USE_GV and i_k == 0:
-            tl.store(decay_v + i_nh * V + o_v, b_dv, mask=m_v)
-
-
-def _check_tma_config(config, tma_ok: bool, names: str) -> None:
-    """An explicit config that asks for TMA loads on inputs that cannot have them is refused."""
-    if config is not None and config.kwargs.get("USE_TMA", False) and not tma_ok:
-        raise ValueError(
-            f"config asks for TMA loads (USE_TMA=True), but {names} cannot be read through tensor "
-            "descriptors here: that needs a GPU of compute capability 9.0 or newer (or the interpreter), "
-            "Triton's tl.make_tensor_descriptor, and contiguous tensors whose start and last dimension "
-            "(size x element bytes) are multiples of 16 bytes; pass a config with USE_TMA=False")
-
-
-def _config_kwargs(config, g_alone: bool, narrow: bool) -> tuple[dict, bool]:
-    """An explicit config's kernel keywords without ``NARROW_V``, and whether v is scaled narrow:
-    the config's ``NARROW_V`` where it gives one (refused unless ``g`` is the only gate on v),
-    else ``narrow`` (``_tuning.narrow_v``'s answer)."""
-    kwargs = dict(config.kwargs)
-    if "NARROW_V" in kwargs:
-        narrow = bool(kwargs.pop("NARROW_V"))
-        if narrow and not g_alone:
-            raise ValueError("config asks for NARROW_V=True (v scaled by the gate g in v's own dtype), which needs "
-                             "g given and neither g_gamma nor gv; pass NARROW_V=False or leave it out")
-    return kwargs, narrow
-
-
-def _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
-                    state_v_first, config=None, decay_k=None, decay_v=None):
-    """Launch ``chunk_fwd_kernel_h``: autotuned, or with one explicit ``triton.Config``.
-
-    ``h`` None: store no states (only ``ht`` and, given ``decay_k``, each sequence's total decay)."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    if N * H == 0:
-        return
-    tma_ok = _tuning.tma_usable(k, v, gk, gv)
-    _check_tma_config(config, tma_ok, "k, v, gk, gv")
-    if tma_ok and k.is_cuda:
-        _tuning.ensure_allocator()
-    bucket = _tuning.grid_bucket(N * H)
-    args = dict(k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht,
-                cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
-                T=T, H=H, K=K, V=V, BT=BT, BS=BS,
-                GRID=bucket, TMA_OK=int(tma_ok),
-                USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
-                USE_GV=gv is not None, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-                IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first,
-                STORE_STATES=h is not None, STORE_DECAY=decay_k is not None)
-    g_alone = g is not None and g_gamma is None and gv is None
-    narrow = g_alone and _tuning.narrow_v(bucket)
-
-    def grid(meta):
-        return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
-
-    if config is None:
-        _tuned_forward[grid](**args, NARROW_V=narrow)
-    else:
-        kwargs, narrow = _config_kwargs(config, g_alone, narrow)
-        chunk_fwd_kernel_h[grid](**args, **kwargs, NARROW_V=narrow, num_warps=config.num_warps,
-                                 num_stages=config.num_stages)
+        store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+    if STORE_DECAY:
+        store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
 
 
 _tuned_forward = triton.autotune(
-    configs=_tuning.CONFIGS,
-    key=["K", "V", "BT", "BS", "GRID", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
+    configs=tuning.CONFIGS,
+    key=["K", "V", "BT", "BS", "OCCUPANCY", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
          "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
-    prune_configs_by={"early_config_prune": _tuning.Pruner(chunk_fwd_kernel_h)},
-    do_bench=_tuning.autotune_timing,
+    prune_configs_by={"early_config_prune": tuning.Pruner(chunk_fwd_kernel_h)},
+    do_bench=tuning.autotune_timing,
 )(chunk_fwd_kernel_h)
 
 
@@ -334,7 +172,7 @@ def chunk_fwd_h(
         config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
             tiles through TMA descriptors, ValueError where the inputs do not allow it; ``NARROW_V``:
             scale v by ``g`` in v's own dtype or in fp32, the same numbers either way, by default
-            as ``_tuning.narrow_v`` decides; ValueError unless ``g`` is the only gate on v) instead
+            as ``tuning.narrow_v`` decides; ValueError unless ``g`` is the only gate on v) instead
             of autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
@@ -353,25 +191,39 @@ def chunk_fwd_h(
     if v.dtype != k.dtype:
         raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
     _validate.kernel_input("k", k)
-    BT, BS = _validate.sizes(chunk_size, split_size)
     g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
-    cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=k)
-    state = (V, K) if state_v_first else (K, V)
+    p = launch.problem(k, B, T, H, K, V, cu_seqlens, chunk_size, split_size, state_v_first)
     if h0 is not None:
-        h0 = _validate.tensor("h0", h0, (N, H, *state), like=k)
+        h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=k)
+    launch.check_config(config, ("USE_TMA", "NARROW_V"))
+    if config is not None and config.kwargs.get("NARROW_V") and not (g is not None and g_gamma is None and gv is None):
+        raise ValueError("config asks for NARROW_V=True (v scaled by the gate g in v's own dtype), which needs "
+                         "g given and neither g_gamma nor gv; pass NARROW_V=False or leave it out")
 
-    # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
-    lengths, NS, split_offsets = _host.splits(cu_seqlens, B, T, BS, k.device)
-    h = torch.empty(B, NS, H, *state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
-    ht = torch.empty(N, H, *state, dtype=torch.float32, device=k.device) if output_final_state else None
-    P = _pieces.choose(pieces, N, H, K, V, lengths, BS)
-    if P > 1:
-        _pieces.forward_in_pieces(k, v, h, g, g_gamma, gk, gv, h0, ht, lengths, N, BT, BS, state_v_first, P,
-                                  config)
-    else:
-        _launch_forward(k, v, h, g, g_gamma, gk, gv, h0, ht, cu_seqlens, split_offsets, N, BT, BS,
-                        state_v_first, config)
+    h = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
+    ht = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=k.device) if output_final_state else None
+    P = _pieces.choose(pieces, p)
+    if P == 1:
+        _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
+                      N=p.N, states=h, start=h0, end=ht)
+    else:  # the pieces are packed along T: a dense batch is one packed row
+        k, v, g, gk, gv = (_pieces.packed(x, B, T) for x in (k, v, g, gk, gv))
+        run_pass = functools.partial(_forward_pass, k, v, g, g_gamma, gk, gv, p, config)
+        _pieces.run(run_pass, p, P, h, h0, ht, use_gv=gv is not None, reverse=False)
     return h, ht
 
 
-from . import pieces as _pieces  # noqa: E402  (pieces builds on this module's kernel)
+def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seqlens, split_offsets, N, states,
+                  start, end, decay_k=None, decay_v=None) -> None:
+    """One launch of the forward kernel over N sequences (``states`` None: store none, only ``end``
+    and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
+    narrow = g is not None and g_gamma is None and gv is None and tuning.narrow_v(tuning.occupancy_bucket(N * p.H))
+    args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
+                cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
+                T=k.shape[1], H=p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,
+                USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
+                USE_GV=gv is not None, USE_INITIAL_STATE=start is not None, STORE_FINAL_STATE=end is not None,
+                IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=p.state_v_first,
+                STORE_STATES=states is not None, STORE_DECAY=decay_k is not None, NARROW_V=narrow)
+    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, H=p.H, K=p.K, V=p.V, config=config,
+               tma_inputs=dict(k=k, v=v, gk=gk, gv=gv))

@@ -6,7 +6,7 @@ cases —
 T not a multiple of the chunk, K and V not multiples of any tile, packed batches with empty and
 one-token sequences, a batch of only empty sequences, GQA, split sizes of 1, 2 and 4 chunks, both
 state layouts and precisions — and, on the sweep case, with *every* config of
-``_tuning.ALL_CONFIGS`` valid for its shape (through ``config=``, so no autotuning runs). Every
+``tuning.ALL_CONFIGS`` valid for its shape (through ``config=``, so no autotuning runs). Every
 result is checked against the float64 loop (``reference.recurrent_states`` / ``state_grads``,
 computed on the CPU so the sanitizer does not slow it), and on the sweep case every launch is
 repeated and must give the same bits: a race shows up as a wrong or changing answer even where
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 import re
 import shutil
@@ -69,7 +68,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import _tuning, reference
+from . import reference, tuning
 from .backward import chunk_bwd_dh
 from .env import DEVICE, INTERPRET
 from .forward import chunk_fwd_h
@@ -78,7 +77,6 @@ from .testing import nan_poisoned_empty, rel_err
 
 GATE_NAMES = ("g", "g_gamma", "gk", "gv")
 TOOLS = ("memcheck", "racecheck", "initcheck")
-BACKWARD_PIECES = "pieces" in inspect.signature(chunk_bwd_dh).parameters
 RESULT_LINE = "RESULT:"
 
 
@@ -129,7 +127,7 @@ CASES = [
 
 def fits(cfg: triton.Config, K: int, V: int) -> bool:
     """A config is valid for a shape when its tiles are no wider than K, V rounded up to a power
-    of two (at least 16) — the rule ``_tuning.prune`` applies."""
+    of two (at least 16) — the rule ``tuning.prune`` applies."""
     return cfg.kwargs["BK"] <= max(16, triton.next_power_of_2(K)) and \
         cfg.kwargs["BV"] <= max(16, triton.next_power_of_2(V))
 
@@ -153,7 +151,7 @@ def configs_for(case: Case, quick: bool) -> tuple[list[triton.Config], list[trit
     the interpreter warps and stages change nothing, so one config per tile shape (``--quick``:
     the largest tile only — the interpreter pays per program). Other cases: a small and a large
     tile (``--quick``: the large one)."""
-    valid = [c for c in _tuning.ALL_CONFIGS if fits(c, case.K, case.V)]
+    valid = [c for c in tuning.ALL_CONFIGS if fits(c, case.K, case.V)]
     if not valid:  # K, V <= 16: a 16-wide tile, as prune clips the candidates
         BK = min(32, max(16, triton.next_power_of_2(case.K)))
         BV = min(32, max(16, triton.next_power_of_2(case.V)))
@@ -253,18 +251,17 @@ def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool) -
                            config=cfg, **common)
 
     def backward(cfg, P):
-        kw = dict(pieces=P) if BACKWARD_PIECES else {}
         return chunk_bwd_dh(dev["q"], dev["k"], dev["v"], dev["do"], dev["h0"], dev["dht"], scale, **kg,
-                            config=cfg, **common, **kw)
+                            config=cfg, pieces=P, **common)
 
     kernels = [("forward", forward, ("h", "ht"), (h_ref, ht_ref), case.ht),
                ("backward", backward, ("dh", "dh0"), (dh_ref, dh0_ref), case.h0)]
     for cfg in configs:
         for direction, run, names, refs, second in kernels:
-            for P in case.pieces if direction == "forward" or BACKWARD_PIECES else (1,):
+            for P in case.pieces:
                 if P > 1 and cfg not in piece_configs:
                     continue
-                what = f"{case.name} {_tuning.name(cfg)} {direction} pieces={P}"
+                what = f"{case.name} {tuning.config_label(cfg)} {direction} pieces={P}"
                 try:
                     runs = []
                     for _ in range(repeats):
@@ -431,7 +428,7 @@ def main(argv=None) -> int:
     if args.list:
         for case in selected_cases(args.quick):
             configs, piece_configs = configs_for(case, args.quick)
-            print(f"{case.name}: {len(configs)} configs {[_tuning.name(c) for c in configs]}; pieces {case.pieces} "
+            print(f"{case.name}: {len(configs)} configs {[tuning.config_label(c) for c in configs]}; pieces {case.pieces} "
                   f"with {len(piece_configs)} of them")
         return 0
     if args.all_tools:

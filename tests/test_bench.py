@@ -368,10 +368,10 @@ def test_budget_skips_shapes(cpu_run, tmp_path):
 
 @pytest.mark.skipif(ON_GPU, reason="runs the sweep under Triton's interpreter with fake timings")
 def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
-    from chunkstate import _tuning
+    from chunkstate import tuning
 
-    two = [_tuning.INTERPRETER_CONFIG, _tuning._config(32, 32, 4, 1)]
-    monkeypatch.setattr(_tuning, "ALL_CONFIGS", two)
+    two = [tuning.INTERPRETER_CONFIG, tuning._config(32, 32, 4, 1)]
+    monkeypatch.setattr(tuning, "ALL_CONFIGS", two)
     args = bench.parse_args(["--sweep", "--out", str(tmp_path)])
     report = bench.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
     back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())

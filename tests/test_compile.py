@@ -9,8 +9,8 @@ interpreter functions, so the compiling runs in subprocesses started with ``TRIT
 (chunkstate keeps an explicitly set value).
 
 What is compiled (about 2 s per config on one core, up to ~15 s for 64×128 tiles at 4 stages):
-every config the autotuner can try (``_tuning.prune`` for K = V = 128 and each grid bucket) for
-the main forward flag set, always; plus a rotating subset of ``_tuning.ALL_CONFIGS`` for every
+every config the autotuner can try (``tuning.prune`` for K = V = 128 and each grid bucket) for
+the main forward flag set, always; plus a rotating subset of ``tuning.ALL_CONFIGS`` for every
 flag set, ``ROTATING`` configs each, deterministic for a day (the ids say which) and cycling
 through all of them over the days. ``CHUNKSTATE_COMPILE_ALL=1`` compiles every config of every
 flag set; ``CHUNKSTATE_COMPILE_ROTATION=<int>`` picks the rotation; ``CHUNKSTATE_COMPILE_WORKERS``
@@ -36,7 +36,7 @@ import time
 import pytest
 import triton
 
-from chunkstate import _tuning
+from chunkstate import tuning
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory one block may use on sm_90 (opt-in maximum)
 ROTATING = 1  # configs per flag set on top of the autotuner's candidates
@@ -71,26 +71,26 @@ _NO_GATES = dict(g=None, g_gamma=None, gk=None, gv=None)
 FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
     FlagSet("bf16-dense-allgates-h0-ht", dict(
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **_GATES, h0=ptr("fp32"), ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, GRID=2, TMA_OK=1,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=2, TMA_OK=1,
         H=4, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False), with_candidates=True),
     FlagSet("fp16-varlen-vfirst-g-gv-h32", dict(
         k=ptr("fp16"), v=ptr("fp16"), h=ptr("fp32"), **dict(_NO_GATES, g=ptr("fp32"), gv=ptr("fp32")),
         h0=ptr("fp16"), ht=None, cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None,
-        T=4096, GRID=3, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
+        T=4096, OCCUPANCY=3, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
         USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, IS_VARLEN=True, STATE_V_FIRST=True,
         STORE_STATES=True, STORE_DECAY=False)),
-    FlagSet("bf16-dense-g-narrow-v", dict(  # g alone below a quarter wave: v scaled in bf16 (_tuning.narrow_v)
+    FlagSet("bf16-dense-g-narrow-v", dict(  # g alone below a quarter wave: v scaled in bf16 (tuning.narrow_v)
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), h0=None, ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, GRID=1, TMA_OK=1,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=1, TMA_OK=1,
         H=32, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
         USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), with_candidates=True, buckets=(0, 1)),
     FlagSet("bf16-pieces-pass-gk-gv-decays", dict(  # the pieces' first pass: ht and decays only
         k=ptr("bf16"), v=ptr("bf16"), h=None, **dict(_NO_GATES, gk=ptr("fp32"), gv=ptr("fp32")),
         h0=None, ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=None, decay_k=ptr("fp32"),
-        decay_v=ptr("fp32"), T=4096, GRID=0, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
+        decay_v=ptr("fp32"), T=4096, OCCUPANCY=0, TMA_OK=1, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
         USE_G_GAMMA=False, USE_GK=True, USE_GV=True, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
         IS_VARLEN=True, STATE_V_FIRST=False, STORE_STATES=False, STORE_DECAY=True)),
 ))
@@ -98,7 +98,7 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
 BACKWARD = KernelSpec("backward", "chunkstate.backward", "chunk_bwd_kernel_dh", (
     FlagSet("bf16-gqa-allgates-dht-dh0", dict(
         q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **_GATES, dht=ptr("fp32"), dh0=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, scale=0.088, T=4096, GRID=2, TMA_OK=1,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, scale=0.088, T=4096, OCCUPANCY=2, TMA_OK=1,
         H=4, NG=2, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=False,
         STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False)),
@@ -118,13 +118,13 @@ def _fits(key, K, V) -> bool:
 
 def candidate_keys(K: int, V: int, buckets=None, vector_gates=(False, True)) -> list[tuple]:
     """Every config the autotuner may try for (K, V), over all grid buckets (or these), with and
-    without TMA loads and vector gates (or these) (``_tuning.prune``)."""
+    without TMA loads and vector gates (or these) (``tuning.prune``)."""
     keys = []
-    for bucket in buckets or range(_tuning.N_BUCKETS):
+    for bucket in buckets or range(tuning.N_BUCKETS):
         for tma in (0, 1):
             for gk in vector_gates:
-                args = {"K": K, "V": V, "GRID": bucket, "TMA_OK": tma, "USE_GK": gk}
-                keys += [_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)]
+                args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": tma, "USE_GK": gk}
+                keys += [tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args)]
     return list(dict.fromkeys(keys))
 
 
@@ -141,7 +141,7 @@ def jobs() -> list[tuple[str, str, tuple, str]]:
     for spec in KERNELS:
         for fs in spec.flag_sets:
             K, V = fs.args["K"], fs.args["V"]
-            pool = [_tuning.key(c) for c in _tuning.ALL_CONFIGS if _fits(_tuning.key(c), K, V)]
+            pool = [tuning.config_tuple(c) for c in tuning.ALL_CONFIGS if _fits(tuning.config_tuple(c), K, V)]
             chosen = {}
             if fs.with_candidates:  # given buckets: only theirs, for this flag set's gates
                 vector = (bool(fs.args["USE_GK"] or fs.args["USE_GV"]),) if fs.buckets else (False, True)
@@ -299,17 +299,17 @@ def test_job_list_holds_every_candidate():
     keys = {key for kernel, fs, key, _ in JOBS if kernel == "forward" and fs == main.name}
     assert set(candidate_keys(main.args["K"], main.args["V"])) <= keys
     narrow_set = next(fs for fs in FORWARD.flag_sets if fs.args.get("NARROW_V"))
-    narrow_buckets = tuple(b for b in range(_tuning.N_BUCKETS) if _tuning.narrow_v(b))
-    assert narrow_set.buckets == narrow_buckets, "the NARROW_V flag set must follow _tuning.narrow_v"
+    narrow_buckets = tuple(b for b in range(tuning.N_BUCKETS) if tuning.narrow_v(b))
+    assert narrow_set.buckets == narrow_buckets, "the NARROW_V flag set must follow tuning.narrow_v"
     narrow = {key for kernel, fs, key, _ in JOBS if fs == narrow_set.name}
     for bucket in narrow_buckets:  # every candidate there, TMA or not
         for tma in (0, 1):
-            args = {"K": 128, "V": 128, "GRID": bucket, "TMA_OK": tma, "USE_GK": False}
-            assert {_tuning.key(c) for c in _tuning.prune(_tuning.ALL_CONFIGS, args)} <= narrow
-    every = {_tuning.key(c) for c in _tuning.ALL_CONFIGS}
+            args = {"K": 128, "V": 128, "OCCUPANCY": bucket, "TMA_OK": tma, "USE_GK": False}
+            assert {tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args)} <= narrow
+    every = {tuning.config_tuple(c) for c in tuning.ALL_CONFIGS}
     for kernel, fs, key, why in JOBS:
         assert why == "candidate" or key in every, (kernel, fs, key)
-    rest = [k for k in (_tuning.key(c) for c in _tuning.ALL_CONFIGS) if k not in set(candidate_keys(128, 128))]
+    rest = [k for k in (tuning.config_tuple(c) for c in tuning.ALL_CONFIGS) if k not in set(candidate_keys(128, 128))]
     seen = set()
     env = os.environ.get("CHUNKSTATE_COMPILE_ROTATION")
     try:

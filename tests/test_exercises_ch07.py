@@ -2,7 +2,7 @@
 import pytest
 import triton
 
-from chunkstate import _tuning
+from chunkstate import tuning
 from chunkstate.exercises import ch07_autotuning as ex
 
 
@@ -12,11 +12,11 @@ def test_prune_solution_on_known_sizes():
     """Independent of the checker: K = V = 64 keeps exactly the configs of ALL_CONFIGS with tiles
     up to 64; K = V = 16 keeps the 32x32 ones (nothing fits; smallest tiles); K = 200 allows 256."""
     def tiles(K, V):
-        return {(c.kwargs["BK"], c.kwargs["BV"]) for c in ex.prune_to_fit(_tuning.ALL_CONFIGS, {}, K=K, V=V)}
+        return {(c.kwargs["BK"], c.kwargs["BV"]) for c in ex.prune_to_fit(tuning.ALL_CONFIGS, {}, K=K, V=V)}
 
     assert tiles(64, 64) == {(32, 32), (32, 64), (64, 32), (64, 64)}
     assert tiles(16, 16) == {(32, 32)}
-    assert tiles(200, 200) == {(c.kwargs["BK"], c.kwargs["BV"]) for c in _tuning.ALL_CONFIGS}
+    assert tiles(200, 200) == {(c.kwargs["BK"], c.kwargs["BV"]) for c in tuning.ALL_CONFIGS}
     assert tiles(48, 20) == {(32, 32), (64, 32)}
 
 

@@ -8,7 +8,7 @@ explicit multi-tile configs; then exact identities between calls, T = 0, non-con
 and sequence pieces (``pieces=P``, also with several tiles).
 
 On a GPU only (skipped on CPU, saying why): bf16 and fp32 at T >= 4096 with K = V = 64/128/256,
-every config of ``_tuning.ALL_CONFIGS``, fla-core 0.6.0's kernel where fla is right, more than
+every config of ``tuning.ALL_CONFIGS``, fla-core 0.6.0's kernel where fla is right, more than
 65,535 programs, and element offsets beyond 2^31.
 
 Inputs are fresh random tensors on every run. Gates are natural-log per token in the tests and
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 
 import chunkstate
-from chunkstate import _tuning, gates, reference
+from chunkstate import tuning, gates, reference
 from chunkstate.gates import RCP_LN2, prepare_chunk_offsets
 from chunkstate.testing import check_close, nan_poisoned_empty
 
@@ -245,7 +245,7 @@ def test_grid_covers_the_brief():
 # ---------------------------------------------------------------------------------------------
 
 @cpu_only
-@pytest.mark.parametrize("BK,BV", sorted({(c.kwargs["BK"], c.kwargs["BV"]) for c in _tuning.ALL_CONFIGS}))
+@pytest.mark.parametrize("BK,BV", sorted({(c.kwargs["BK"], c.kwargs["BV"]) for c in tuning.ALL_CONFIGS}))
 def test_every_tile_shape_of_the_gpu_configs(BK, BV, device):
     """Each (BK, BV) a GPU may run gives the loop's states, here on K = 72, V = 40 (ragged tiles)."""
     case = make_case(1, 70, 1, 72, 40, torch.float32, ("g", "gk", "gv"), True, None, device)
@@ -418,9 +418,9 @@ def test_tma_loads_against_loop(c, device):
     name, B, T, H, K, V, cu, gs, dtype, BT, BS, (BK, BV), pieces, vf = c
     tol = {torch.float32: TOL_TF32, torch.float16: TOL_FP16}[dtype] if ON_GPU else TOL[dtype]
     case = make_case(B, T, H, K, V, dtype, gs, True, cu, device)
-    if ON_GPU and not _tuning.tma_usable(case["k"]):
+    if ON_GPU and not tuning.tma_usable(case["k"]):
         pytest.skip("this GPU has no TMA (compute capability < 9.0)")
-    assert _tuning.tma_usable(case["k"], case["v"])
+    assert tuning.tma_usable(case["k"], case["v"])
     h, ht = check_against_loop(case, tol, tol, BT, BS, what=name, state_v_first=vf,
                                config=tma_config(BK, BV), pieces=pieces)
     pointer = triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=1)
@@ -432,16 +432,16 @@ def test_tma_loads_against_loop(c, device):
 def test_tma_refused_where_descriptors_cannot_read_the_inputs(device):
     """A row of K = 33 fp32 (132 bytes) or a k starting 4 bytes off a 16-byte boundary cannot be a
     TMA descriptor: auto-tuned calls fall back to pointer loads (right answer), and an explicit
-    USE_TMA config is refused with an error naming the inputs."""
+    USE_TMA config is refused with an error naming the inputs that cannot be read."""
     odd = make_case(1, 40, 2, 33, 16, torch.float32, ("gk",), False, None, device)
     flat = torch.randn(1 * 40 * 2 * 32 + 1, device=device)
     shifted = make_case(1, 40, 2, 32, 16, torch.float32, ("gk",), False, None, device)
     shifted["k"] = flat[1:].view(1, 40, 2, 32)  # contiguous, but 4 bytes past the storage's start
     tol = TOL_TF32 if ON_GPU else TOL_FP32
-    for case in (odd, shifted):
-        assert not _tuning.tma_usable(case["k"], case["v"])
+    for case, names in ((odd, "k, gk cannot"), (shifted, "k cannot")):
+        assert not tuning.tma_usable(case["k"], case["v"])
         check_against_loop(case, tol, tol, 16, what="fallback to pointer loads")
-        with pytest.raises(ValueError, match=r"USE_TMA=True.*k, v, gk, gv"):
+        with pytest.raises(ValueError, match=rf"USE_TMA=True\), but {names} be read"):
             run_kernel(case, 16, config=tma_config(16, 16))
 
 
@@ -457,47 +457,47 @@ def test_tma_device_rule(monkeypatch):
                                       ((9, 4), "6.2", False)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
         monkeypatch.setattr(torch.version, "hip", hip)
-        _tuning._tma_device.cache_clear()
+        tuning._tma_device.cache_clear()
         try:
-            assert _tuning.tma_device("cuda:0") is expected, (capability, hip)
+            assert tuning.tma_device("cuda:0") is expected, (capability, hip)
         finally:
-            _tuning._tma_device.cache_clear()
-    assert _tuning.tma_device("cpu")
+            tuning._tma_device.cache_clear()
+    assert tuning.tma_device("cpu")
 
 
 def test_tma_candidates_only_where_usable():
     """The autotuner's TMA candidates appear only when the wrapper says descriptors can be used;
     with a vector gate and TMA they are most of the list, and in every bucket."""
-    for bucket in range(_tuning.N_BUCKETS):
-        base = {"K": 128, "V": 128, "GRID": bucket}
+    for bucket in range(tuning.N_BUCKETS):
+        base = {"K": 128, "V": 128, "OCCUPANCY": bucket}
         for vector in (False, True):
-            off = _tuning.prune(_tuning.ALL_CONFIGS, {**base, "TMA_OK": 0, "USE_GK": vector})
-            assert off and not any(_tuning.key(c)[4] for c in off)
-        on = _tuning.prune(_tuning.ALL_CONFIGS, {**base, "TMA_OK": 1, "USE_GK": True})
-        assert 2 * sum(_tuning.key(c)[4] for c in on) > len(on)
+            off = tuning.prune(tuning.ALL_CONFIGS, {**base, "TMA_OK": 0, "USE_GK": vector})
+            assert off and not any(tuning.config_tuple(c)[4] for c in off)
+        on = tuning.prune(tuning.ALL_CONFIGS, {**base, "TMA_OK": 1, "USE_GK": True})
+        assert 2 * sum(tuning.config_tuple(c)[4] for c in on) > len(on)
 
 
 # -- the scalar gate's scaling of v: in v's own dtype below a quarter wave, else in fp32
 
 def test_narrow_v_only_below_a_quarter_wave():
-    """``_tuning.narrow_v``: v is scaled by g in its own dtype in grid buckets 0 and 1 (under a
+    """``tuning.narrow_v``: v is scaled by g in its own dtype in grid buckets 0 and 1 (under a
     quarter wave of (sequence, head) pairs), in fp32 from bucket 2 on."""
-    assert [_tuning.narrow_v(b) for b in range(_tuning.N_BUCKETS)] == [True, True, False, False, False]
+    assert [tuning.narrow_v(b) for b in range(tuning.N_BUCKETS)] == [True, True, False, False, False]
 
 
 def test_narrow_and_wide_v_give_the_same_states(monkeypatch, device):
     """Scaled in v's dtype (``NARROW_V``: the product rounded at once, as fla does) or in fp32 until
     the dot, v is rounded once at the same point: both give the loop's states, bit for bit the same.
     The gate grows (g > 0, so Γ > 0) and the last chunk is ragged (T = 100): its rows past T are
-    0 · 2^Γ in the narrow form and must stay 0. Autotuned, the launcher asks ``_tuning.narrow_v``
+    0 · 2^Γ in the narrow form and must stay 0. Autotuned, the launcher asks ``tuning.narrow_v``
     (here bucket 0: narrow). With a second gate on v (gv) an explicit ``NARROW_V=True`` is refused."""
     asked = []
 
-    def spy(bucket, real=_tuning.narrow_v):
+    def spy(bucket, real=tuning.narrow_v):
         asked.append((bucket, real(bucket)))
         return real(bucket)
 
-    monkeypatch.setattr(_tuning, "narrow_v", spy)
+    monkeypatch.setattr(tuning, "narrow_v", spy)
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
     for dtype in dtypes:
         tol = GPU_TOL[dtype] if ON_GPU else TOL[dtype]
@@ -578,29 +578,29 @@ def _fits(cfg, K, V):
 
 
 @gpu_only
-@pytest.mark.parametrize("cfg", _tuning.ALL_CONFIGS, ids=_tuning.name)
+@pytest.mark.parametrize("cfg", tuning.ALL_CONFIGS, ids=tuning.config_label)
 def test_gpu_every_config(cfg, all_config_case):
     """Not only the autotuner's winner: every config of ALL_CONFIGS valid for the shape is right."""
     assert _fits(cfg, ALL_CONFIG_SHAPE["K"], ALL_CONFIG_SHAPE["V"])  # every config fits K = V = 128
     case, (h_ref, ht_ref) = all_config_case
     h, ht = run_kernel(case, 64, config=cfg, pieces=1)  # the plain kernel, not sequence pieces
-    check_close(h, h_ref, f"{_tuning.name(cfg)} h", TOL_BF16)
-    check_close(ht, ht_ref, f"{_tuning.name(cfg)} ht", TOL_BF16)
+    check_close(h, h_ref, f"{tuning.config_label(cfg)} h", TOL_BF16)
+    check_close(ht, ht_ref, f"{tuning.config_label(cfg)} ht", TOL_BF16)
 
 
 # The candidates of the buckets where v is scaled in its own dtype (g alone), each run that way:
 # B2 H2 is bucket 0, so every one of them, pointer or TMA loads, compiles with NARROW_V.
 NARROW_CONFIGS = list(dict.fromkeys(
-    c for bucket in range(_tuning.N_BUCKETS) if _tuning.narrow_v(bucket) for tma in (0, 1)
-    for c in _tuning.prune(_tuning.ALL_CONFIGS, {"K": 128, "V": 128, "GRID": bucket, "TMA_OK": tma})))
+    c for bucket in range(tuning.N_BUCKETS) if tuning.narrow_v(bucket) for tma in (0, 1)
+    for c in tuning.prune(tuning.ALL_CONFIGS, {"K": 128, "V": 128, "OCCUPANCY": bucket, "TMA_OK": tma})))
 
 
 @gpu_only
-@pytest.mark.parametrize("cfg", NARROW_CONFIGS, ids=_tuning.name)
+@pytest.mark.parametrize("cfg", NARROW_CONFIGS, ids=tuning.config_label)
 def test_gpu_every_narrow_v_config(cfg, device):
-    assert _tuning.narrow_v(_tuning.grid_bucket(ALL_CONFIG_SHAPE["B"] * ALL_CONFIG_SHAPE["H"]))
+    assert tuning.narrow_v(tuning.occupancy_bucket(ALL_CONFIG_SHAPE["B"] * ALL_CONFIG_SHAPE["H"]))
     case = make_case(**ALL_CONFIG_SHAPE, dtype=torch.bfloat16, gate_names=("g",), use_h0=True, device=device)
-    check_against_loop(case, TOL_BF16, TOL_BF16, 64, what=_tuning.name(cfg), config=cfg, pieces=1)
+    check_against_loop(case, TOL_BF16, TOL_BF16, 64, what=tuning.config_label(cfg), config=cfg, pieces=1)
 
 
 # -- fla-core 0.6.0 where it is right (not g together with g_gamma)

@@ -249,29 +249,29 @@ def test_calls_replay_in_a_cuda_graph(pieces, packed):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_candidates_compile_side_by_side(direction, monkeypatch):
     """The first call of a new autotune key compiles every candidate config in threads
-    (``_tuning.Pruner`` calls ``_tuning.compile_configs``) before the autotuner times them: the
+    (``tuning.Pruner`` calls ``tuning.compile_configs``) before the autotuner times them: the
     autotuner itself then compiles nothing, and the tuned result is still the float64 loop's. The
     key (K = 40, V = 24, BT = 16, BS = 48) is used by no other test."""
-    from chunkstate import _tuning, bench
+    from chunkstate import tuning, bench
     from chunkstate.backward import _tuned_backward
     from chunkstate.forward import _tuned_forward
 
     tuner = _tuned_forward if direction == "fwd" else _tuned_backward
-    assert isinstance(tuner.early_config_prune, _tuning.Pruner) and tuner.early_config_prune.kernel is tuner.fn
+    assert isinstance(tuner.early_config_prune, tuning.Pruner) and tuner.early_config_prune.kernel is tuner.fn
     B, T, H, K, V, BT, BS = 2, 100, 3, 40, 24, 16, 48
     k, q = (torch.randn(B, T, H, K, device="cuda") for _ in range(2))
     v, do = (torch.randn(B, T, H, V, device="cuda") for _ in range(2))
     g = F.logsigmoid(torch.randn(B, T, H, device="cuda"))
     G = gates.chunk_local_cumsum(g, BT)
     started, counts = [], []
-    real = _tuning.compile_configs
+    real = tuning.compile_configs
 
     def counting(kernel, args, configs):
         started.append(real(kernel, args, configs))
         counts.append(bench.n_compiled([tuner.fn]))
         return started[-1]
 
-    monkeypatch.setattr(_tuning, "compile_configs", counting)
+    monkeypatch.setattr(tuning, "compile_configs", counting)
     tuner.cache.clear()
     with nan_poisoned_empty():
         if direction == "fwd":
@@ -282,7 +282,7 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
                                              pieces=1)
             ref, _ = reference.state_grads(q, k, v, do, g=g, scale=0.3, chunk_size=BT, split_size=BS)
     torch.cuda.synchronize()
-    candidates = _tuning.prune(tuner.configs, dict(K=K, V=V, GRID=_tuning.grid_bucket(B * H), TMA_OK=1))
+    candidates = tuning.prune(tuner.configs, dict(K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(B * H), TMA_OK=1))
     assert started == [len(candidates)] and len(candidates) >= 2, (started, len(candidates))
     assert bench.n_compiled([tuner.fn]) == counts[0], "the autotuner compiled a config the threads had not"
     check_close(out, ref, f"{direction} after compiling side by side", TOL)

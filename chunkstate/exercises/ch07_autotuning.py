@@ -26,7 +26,7 @@ import random
 
 import triton
 
-from .. import _tuning
+from .. import tuning
 
 
 # ---- 1. an early_config_prune ------------------------------------------------------------------
@@ -54,7 +54,7 @@ def _describe(c) -> str:
 
 def check_prune(fn=None) -> None:
     """Test ``fn(configs, named_args, **kwargs)`` (default: the shipped solution) as ``triton.autotune``
-    calls it: on ``_tuning.ALL_CONFIGS`` and on random subsets of it, for K, V powers of two and not,
+    calls it: on ``tuning.ALL_CONFIGS`` and on random subsets of it, for K, V powers of two and not,
     below 16 and above 128, with K, V passed by position and by keyword (beside other arguments).
 
     Raises ``AssertionError`` naming K, V, how they were passed and the configs wrongly kept or
@@ -65,12 +65,12 @@ def check_prune(fn=None) -> None:
     name = getattr(fn, "__name__", "your function")
     sizes = [(128, 128), (64, 64), (48, 40), (100, 256), (16, 16), (20, 200), (8, 128), (32, 12),
              (random.randint(1, 300), random.randint(1, 300))]
-    lists = [list(_tuning.ALL_CONFIGS), random.sample(_tuning.ALL_CONFIGS, 12)]
+    lists = [list(tuning.ALL_CONFIGS), random.sample(tuning.ALL_CONFIGS, 12)]
     checked = 0
     for configs in lists:
         for K, V in sizes:
             want = {id(c) for c in prune_to_fit(configs, {"K": K, "V": V})}
-            others = dict(T=1000, H=4, BT=64, GRID=1, k=None)
+            others = dict(T=1000, H=4, BT=64, OCCUPANCY=1, k=None)
             for how, call in [("by position", lambda: fn(list(configs), {"K": K, "V": V, "T": 1000})),
                               ("by keyword", lambda: fn(list(configs), {}, K=K, V=V, **others))]:
                 got = call()
@@ -120,7 +120,7 @@ def pick_candidates(table: dict, n: int) -> list[str]:
 
 
 def _sweep_tables() -> list[tuple[str, dict]]:
-    """The committed H200 sweep, grouped by the autotune key's grid bucket (one table per bucket)."""
+    """The committed H200 sweep, grouped by the autotune key's occupancy bucket (one table per bucket)."""
     from ..figures import autotune as fig
 
     try:
@@ -147,7 +147,7 @@ def _random_table(shapes: int, configs: int) -> dict:
 
 def check_pick_candidates(fn=None) -> None:
     """Test ``fn(table, n) -> list of names`` (default: the shipped solution) on the committed H200
-    sweep (one table per grid bucket) and on fresh random tables, for n = 1, 2, 3.
+    sweep (one table per occupancy bucket) and on fresh random tables, for n = 1, 2, 3.
 
     The list must hold at most ``n`` distinct names present in every shape, and reach the smallest
     worst slowdown possible (found here by trying every set). Raises ``AssertionError`` naming the

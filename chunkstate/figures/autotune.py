@@ -1,19 +1,19 @@
 """The config landscape of the forward kernel (chapter 07), drawn from a committed H200 sweep.
 
 ``figures/sweep_fwd_h200.json`` (written by ``python -m chunkstate.bench --sweep`` on an H200)
-holds, for 8 shapes, the median time of every config of ``_tuning.ALL_CONFIGS`` that existed then
+holds, for 8 shapes, the median time of every config of ``tuning.ALL_CONFIGS`` that existed then
 (stages 2-4) through ``chunk_fwd_h(..., config=c, pieces=1)``, fla-core 0.6.0's autotuned time for
 the same shape and the copy-roof floor. Config names read ``{BK}x{BV}w{num_warps}s{num_stages}``.
 
 - ``draw_landscape(sweep)``: per shape, every config's time / the shape's best, the candidates the
-  autotuner would try for that shape (``_tuning.prune`` for its K, V and grid bucket), fla's time
+  autotuner would try for that shape (``tuning.prune`` for its K, V and occupancy bucket), fla's time
   and the floor;
 - ``draw_reuse(sweep)``: among shapes with the same K, V, the slowdown of running every shape with
   one shape's winner — what a key without B, T, H does (fla's);
 - ``main()`` redraws ``figures/autotune_landscape.png`` and ``figures/autotune_reuse.png`` from the
   JSON (no GPU needed); it draws nothing when the JSON is absent.
 
-Grid buckets come from ``_tuning.grid_bucket``, i.e. from this machine's SM count (132 on a
+Occupancy buckets come from ``tuning.occupancy_bucket``, i.e. from this machine's SM count (132 on a
 machine without a GPU, as on the H200 of the sweep).
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ def config_name(config) -> str:
     """``"64x128w8s3"`` for a ``triton.Config`` or a ``(BK, BV, num_warps, num_stages[, USE_TMA])``
     tuple; a config loading through TMA descriptors ends in ``tma`` (``"64x64w4s6tma"``)."""
     if not isinstance(config, tuple):
-        from .. import _tuning
+        from .. import tuning
 
-        config = _tuning.key(config)
+        config = tuning.config_tuple(config)
     BK, BV, w, s, *tma = config
     return f"{BK}x{BV}w{w}s{s}" + ("tma" if tma and tma[0] else "")
 
@@ -66,20 +66,20 @@ def shape_label(row: dict, sep: str = " ") -> str:
 
 
 def bucket_of(row: dict) -> int:
-    """The autotune key's ``GRID`` bucket of the row's N·H (dense rows: N = B)."""
-    from .. import _tuning
+    """The autotune key's ``OCCUPANCY`` bucket of the row's N·H (dense rows: N = B)."""
+    from .. import tuning
 
     B, _, H, _, _ = shape_of(row)
-    return _tuning.grid_bucket(B * H)
+    return tuning.occupancy_bucket(B * H)
 
 
 def candidate_names(K: int, V: int, num_heads_total: int) -> list[str]:
     """The configs the package's autotuner benchmarks on a first call for K, V and N·H heads:
-    ``_tuning.prune`` applied to ``_tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it, for
+    ``tuning.prune`` applied to ``tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it, for
     pointer loads (the sweep timed no TMA config; on a Hopper GPU bucket 1 adds one)."""
-    from .. import _tuning
+    from .. import tuning
 
-    kept = _tuning.prune(_tuning.ALL_CONFIGS, {}, K=K, V=V, GRID=_tuning.grid_bucket(num_heads_total))
+    kept = tuning.prune(tuning.ALL_CONFIGS, {}, K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(num_heads_total))
     return list(dict.fromkeys(config_name(c) for c in kept))
 
 

@@ -4,7 +4,7 @@ Bytes come from the benchmark's byte model (:func:`chunkstate.bench.unique_bytes
 chunk's one matrix product, ``2·K·V`` per (token, head) in either direction (the forward's
 ``(k ⊙ ·)ᵀ v``, the backward's ``(q ⊙ ·)ᵀ do``); gating and decaying the state add about 1 %
 (chapter 03) and are left out. Timings come from ``figures/sweep_fwd_h200.json``: every forward
-config of ``chunkstate._tuning.ALL_CONFIGS`` timed on an H200 over 8 shapes, with fla-core 0.6.0
+config of ``chunkstate.tuning.ALL_CONFIGS`` timed on an H200 over 8 shapes, with fla-core 0.6.0
 (autotuned over its 48 configs) beside them.
 
 - ``roofline.png``: attainable FLOP/s against arithmetic intensity (FLOP per unique byte), with

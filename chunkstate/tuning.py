@@ -1,16 +1,21 @@
 """Autotuning shared by the forward and backward kernels: the candidate configs and the key.
 
 fla tunes 48 configs keyed on (BT, gate kinds, layout, K, V) only, so the winner for the first
-shape is reused for every later B, T, H — and a first call costs 34-49 s on an H200. Here the key
-also holds ``GRID``: how many (sequence, head) pairs there are relative to the GPU's
-multiprocessors, bucketed (a one-wave launch wants small tiles and deep prefetch; a full grid
-wants big tiles). For each key a short candidate list is pruned from ``CONFIGS`` by K, V and that
-bucket, so a first call compiles and times only a handful of configs; ``Pruner`` compiles that
-handful side by side in threads before the autotuner times them, and ``autotune_timing`` times
-each for 30 ms instead of Triton's 125.
+shape is reused for every later B, T, H, and a first call compiles and times all 48. Here the key
+also holds ``OCCUPANCY``: how many (sequence, head) pairs there are relative to the GPU's
+multiprocessors, in five buckets (``occupancy_bucket``): a launch far below one wave wants small
+tiles and deep prefetch, a full grid wants big tiles. For each key a short candidate list is
+pruned from ``ALL_CONFIGS`` by K, V and that bucket (``candidates``, ``prune``), so a first call
+compiles and times only a handful of configs; ``Pruner`` compiles that handful side by side in
+threads before the autotuner times them, and ``autotune_timing`` times each for 30 ms instead of
+Triton's 125.
 
 Under Triton's interpreter ``@triton.autotune`` accepts one config only: ``CONFIGS`` collapses
 to a single one there (the tests run every config explicitly through the ``config=`` argument).
+
+The rules below were chosen from timings on an H200; the timings themselves, with their dates
+and commands, are in the repository's ``figures/README.md`` (section *Measurements behind the
+autotuner's rules*). Nothing here touches the GPU at import time.
 """
 from __future__ import annotations
 
@@ -30,15 +35,15 @@ def _config(BK, BV, warps, stages, tma=False):
     return triton.Config({"BK": BK, "BV": BV, "USE_TMA": tma}, num_warps=warps, num_stages=stages)
 
 
-def key(cfg: triton.Config) -> tuple[int, int, int, int, bool]:
+def config_tuple(cfg: triton.Config) -> tuple[int, int, int, int, bool]:
     """(BK, BV, num_warps, num_stages, USE_TMA) of a config (USE_TMA False where it is not set)."""
     return (cfg.kwargs["BK"], cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages,
             bool(cfg.kwargs.get("USE_TMA", False)))
 
 
-def name(cfg: triton.Config) -> str:
+def config_label(cfg: triton.Config) -> str:
     """A config as text: ``BK64-BV64-w4-s4`` (``-tma`` when it loads through tensor descriptors)."""
-    BK, BV, w, s, tma = key(cfg)
+    BK, BV, w, s, tma = config_tuple(cfg)
     return f"BK{BK}-BV{BV}-w{w}-s{s}" + ("-tma" if tma else "")
 
 
@@ -47,18 +52,15 @@ POINTER_CONFIGS = [_config(BK, BV, w, s)
                    for BK in (32, 64, 128) for BV in (32, 64, 128)
                    for w in (2, 4, 8) for s in (2, 3, 4, 5)
                    if BK * BV <= 64 * 128 and (w >= 4 or BK * BV <= 64 * 64)
-                   # 5 stages only for tiles up to 64×64 (the low-occupancy candidates). 128×32 with 5
-                   # stages failed the every-config test on the H200 (bf16, gates g and gk; the cause
-                   # was not captured): by count its 4 prefetched stages of k, v, g, gk alone hold
-                   # ~210 KB of Hopper's 227 KB of shared memory.
+                   # 5 stages only for tiles up to 64×64 (the low-occupancy candidates): 128×32 with
+                   # 5 stages failed on the H200, its 4 prefetched stages of k, v, g, gk alone
+                   # holding ~210 KB of Hopper's 227 KB of shared memory.
                    and (s < 5 or (w >= 4 and BK <= 64 and BV <= 64))]
 
 # Tiles loaded by the Tensor Memory Accelerator (Hopper's TMA, through ``tl.make_tensor_descriptor``):
 # the copy engine writes them into shared memory, so a program holds no per-element pointers and
-# masks (compiled for sm_90, the pointer configs at 64×64 use all 255 registers and spill 0.9-1.7 KB
-# per thread with a key gate; these use 80-150 registers and spill nothing), and deeper prefetch is
-# cheap. On the H200 (bf16, K = V = 128) the key-gated forward at B1 T65536 H32 went from 1.272 to
-# 0.962 ms (``candidates`` below).
+# masks (compiled for sm_90, the pointer configs at 64×64 use all 255 registers and spill with a
+# key gate; these use 80-150 registers and spill nothing), and deeper prefetch is cheap.
 TMA_CONFIGS = [_config(BK, BV, w, s, True) for BK, BV, w, s in (
     (32, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 3),
     (128, 64, 8, 3))]
@@ -71,30 +73,36 @@ INTERPRETER_CONFIG = _config(64, 64, 4, 1)
 CONFIGS = [INTERPRETER_CONFIG] if INTERPRET else ALL_CONFIGS
 
 
+H200_SMS = 132  # the SM count assumed without a GPU (the interpreter): only used to bucket the key
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count() -> int:
+    """The current CUDA device's multiprocessor count (``H200_SMS`` without a GPU); asked once,
+    at the first launch, never at import."""
     if not torch.cuda.is_available():
-        return 132  # an H200's count: only used to bucket the key on CPU
+        return H200_SMS
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def bucket_limits() -> tuple[int, ...]:
-    """Where the ``GRID`` buckets end, in (sequence, head) pairs N·H: an eighth of the SM count, a
-    quarter, one, four (with 64×64 tiles at K = V = 128 one pair is 4 programs)."""
-    sms = sm_count()
+N_BUCKETS = 5  # occupancy buckets: 0 .. 4
+
+
+def bucket_limits(sms: int | None = None) -> tuple[int, ...]:
+    """Where the occupancy buckets end, in (sequence, head) pairs N·H: an eighth of the SM count, a
+    quarter, one, four (with 64×64 tiles at K = V = 128 one pair is 4 programs). ``sms``: the SM
+    count (default ``sm_count()``)."""
+    sms = sm_count() if sms is None else sms
     return sms // 8, sms // 4, sms, 4 * sms
 
 
-N_BUCKETS = len(bucket_limits()) + 1
-
-
-def grid_bucket(num_heads_total: int) -> int:
-    """Bucket N·H against the SM count: 0 < 1/8 wave, 1 < 1/4 wave, 2 < 1 wave, 3 < 4 waves,
-    4 beyond."""
-    for bucket, limit in enumerate(bucket_limits()):
-        if num_heads_total < limit:
+def occupancy_bucket(pairs: int, sms: int | None = None) -> int:
+    """The autotune key's ``OCCUPANCY``: N·H (sequence, head) ``pairs`` against the SM count,
+    0 under 1/8 wave, 1 under 1/4, 2 under one wave, 3 under four waves, 4 beyond."""
+    for bucket, limit in enumerate(bucket_limits(sms)):
+        if pairs < limit:
             return bucket
-    return len(bucket_limits())
+    return N_BUCKETS - 1
 
 
 def narrow_v(bucket: int) -> bool:
@@ -103,13 +111,7 @@ def narrow_v(bucket: int) -> bool:
     round once, at the same place in the arithmetic, so the states are the same bits; only what
     the compiler keeps alive and how it schedules the chunk step differ. Up to a quarter wave of
     programs (buckets 0 and 1), where each SM runs one program whose chunk step is bound by
-    latency, the narrow form is faster; from there on the fp32 form is.
-
-    Measured on an H200 (bf16, ``g``, the same configs both ways, ms): B1 T65536 H32 64×64 with 4
-    warps and 4 stages 0.750 → 0.679 (TMA loads: 0.796 → 0.678; fla-core's kernel on that config
-    0.671), with split 256 0.642 → 0.620, fp32 states 0.955 → 0.941; B2 T16384 H16 0.182 → 0.167.
-    Around a full wave it went the other way: B1 T8192 H96 64×64 with 2 warps and 3 stages 0.240
-    → 0.282, with 4 warps and 2 stages 0.254 → 0.265; B8 T4096 H16 64×128 unchanged (0.147)."""
+    latency, the narrow form was faster on an H200; from there on the fp32 form was."""
     return bucket <= 1
 
 
@@ -123,33 +125,26 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     Chosen from a sweep of every config on an H200 (bf16, K = V = 128 and 64/256, g and gk gates;
     ``python -m chunkstate.bench --sweep``): under an eighth of a wave the winners are small tiles
     with deep prefetch (32×32, 4 stages: a program streams slowly, so more programs and more bytes
-    in flight per program win; N·H = 4 and 8); between an eighth and a quarter, 64×64 with deep
-    prefetch (N·H = 32: 32×32 re-reads k and v four times and was 1.8× slower); around one wave
-    64×128 or 64×64; beyond, 128×64 / 64×128. In bucket 1, 32×64 with 8 warps and 3 stages is
-    there for the backward: at B1 T65536 H32 it ran in 0.907 ms against 1.130 ms for the best
-    64×64 config and 0.954 ms for fla's autotuned kernel (H200, bf16, g).
+    in flight per program win); between an eighth and a quarter, 64×64 with deep prefetch (32×32
+    re-reads k and v four times); around one wave 64×128 or 64×64; beyond, 128×64 / 64×128. In
+    bucket 1, 32×64 with 8 warps and 3 stages is there for the backward.
 
-    With a vector gate and TMA, TMA configs and one pointer config: below a full wave the TMA
-    loads win by 1.3-1.6× (H200, bf16, gk, B1 T65536 H32: forward 0.962 vs 1.272 ms, backward
-    0.863 vs 1.227 ms); from a full wave on they tie with the best pointer config, which stays in
-    the list (backward, B8 T4096 H16: pointer 0.202, TMA 0.209 ms; B4 T4096 H64: 0.392 vs 0.418).
-    With scalar gates the pointer configs tie with TMA or win, except at an eighth to a quarter of
-    a wave (B1 T65536 H32: 64×64 with 4 warps and 4 stages 0.704 ms, the pointer configs' best
-    0.712 ms). Deeper TMA pipelines (6 stages: 0.694 ms) do not fit the 227 KB of shared memory
-    once gk and gv are both given. Around one wave TMA 64×64 with 4 warps and 3 stages wins the
-    scalar-gate forward at B1 T8192 H96 (0.212 ms, pointer candidates 0.239, fla 0.267) but runs
-    0.172 ms at B8 T4096 H16 against 0.147 ms for 64×128 (H200, bf16, g; the autotuner times both
-    right). Both shapes fall in bucket 2, so they share one key and one tuned config: whichever
-    is tuned first sets the other's. It is not offered until the key can tell such shapes apart.
+    With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
+    win (the pointer configs spill there); from a full wave on they tie with the best pointer
+    config, which stays in the list. With scalar gates the pointer configs tie with TMA or win,
+    except between an eighth and a quarter of a wave. Deeper TMA pipelines (6 stages) do not fit
+    the 227 KB of shared memory once gk and gv are both given. A TMA candidate for scalar gates
+    around one wave won at some shapes of bucket 2 and lost at others, and shapes of one bucket
+    share one tuned config, so it is not offered. The timings are in ``figures/README.md``.
     """
     if tma and vector_gates:
         if bucket == 0:
             return [(32, 32, 4, 4, True), (64, 64, 4, 4, True)]
         if bucket == 1:
             return [(64, 64, 4, 4, True), (32, 64, 4, 4, True), (64, 64, 4, 3, True)]
-        if bucket == 2:  # pointer 64×128 won here with gk at B8 T4096 H16 (0.201 vs 0.209 ms)
+        if bucket == 2:  # pointer 64×128 won here with gk at B8 T4096 H16
             return [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False)]
-        # pointer 64×128 with 4 warps won the backward at B4 T4096 H64 (0.392 vs 0.418 ms)
+        # pointer 64×128 with 4 warps won the backward at B4 T4096 H64
         return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False)]
     if bucket == 0:
         out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
@@ -265,9 +260,8 @@ class Pruner:
 
 def autotune_timing(kernel_call, quantiles):
     """How the autotuner times one candidate: ``triton.testing.do_bench`` with 5 ms of warm-up and
-    25 ms of repeats (Triton's default, 25 and 100 ms, cost ~0.15 s per candidate; on an H200 the
-    shorter timing picked the same configs at B1 T131072 H4 and B1 T65536 H32 and cut their first
-    call by 0.5-1.0 s)."""
+    25 ms of repeats (Triton's default, 25 and 100 ms, costs ~0.15 s per candidate; on an H200 the
+    shorter timing picked the same configs)."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -276,7 +270,7 @@ def prune(configs, named_args, **kwargs):
     if len(configs) == 1:
         return configs
     args = {**named_args, **kwargs}
-    K, V, bucket = args["K"], args["V"], args["GRID"]
+    K, V, bucket = args["K"], args["V"], args["OCCUPANCY"]
     tma = bool(args.get("TMA_OK", False))
     vector_gates = bool(args.get("USE_GK", False) or args.get("USE_GV", False))
     want = []
@@ -285,7 +279,7 @@ def prune(configs, named_args, **kwargs):
         BV = min(BV, max(16, _host.next_power_of_2(V)))
         want.append((BK, BV, w, s, use_tma))
     want = list(dict.fromkeys(want))
-    kept = [c for c in configs if key(c) in want]
-    have = {key(c) for c in kept}
+    kept = [c for c in configs if config_tuple(c) in want]
+    have = {config_tuple(c) for c in kept}
     kept += [_config(*t) for t in want if t not in have]
     return kept
