@@ -143,21 +143,46 @@ def _one_per_tile(configs):
     return [best[k] for k in sorted(best)]
 
 
-def configs_for(case: Case, quick: bool) -> tuple[list[triton.Config], list[triton.Config]]:
-    """The configs a case runs: (for the plain forward and the backward, for the pieces' passes).
+def input_dtype(case: Case, on_gpu: bool) -> torch.dtype:
+    """The dtype of k, v, q, do: fp32 for an ``fp32`` case and under the interpreter (which gets
+    bf16 wrong), else bf16."""
+    return torch.float32 if (case.fp32 or not on_gpu) else torch.bfloat16
+
+
+def tma_allowed(case: Case, on_gpu: bool) -> bool:
+    """Whether the wrappers would let this case's inputs be read through TMA descriptors: the rule
+    of ``tuning.tma_usable`` applied to the shapes and dtypes (every row of k, v, q, do in the
+    input dtype and of gk, gv in fp32 a whole number of 16-byte units; the tensors the workload
+    makes are contiguous and aligned) and, on a GPU, ``tuning.tma_device``. The interpreter reads
+    any row through a descriptor, so the rule is applied there too: a config that a GPU would
+    refuse is never picked, on any machine."""
+    size = input_dtype(case, on_gpu).itemsize
+    rows = [(case.K, size), (case.V, size)]
+    rows += [(case.K, 4)] if "gk" in case.gates else []
+    rows += [(case.V, 4)] if "gv" in case.gates else []
+    device_ok = tuning.tma_device("cuda") if on_gpu and torch.cuda.is_available() else True
+    return device_ok and all(tuning.tma_rows(D, s) for D, s in rows)
+
+
+def configs_for(case: Case, quick: bool, on_gpu: bool | None = None) -> tuple[list[triton.Config], list[triton.Config]]:
+    """The configs a case runs: (for the plain forward and the backward, for the pieces' passes),
+    only ones the wrappers accept for it (tiles that fit K and V, TMA loads only where
+    ``tma_allowed``). ``on_gpu``: choose as on a GPU (default: whether this machine runs compiled).
 
     Sweep case on a GPU: every valid config (``--quick``: one per tile shape); the pieces' two
     forward passes (two more specialisations per config) take one config per tile shape. Under
     the interpreter warps and stages change nothing, so one config per tile shape (``--quick``:
     the largest tile only — the interpreter pays per program). Other cases: a small and a large
     tile (``--quick``: the large one)."""
-    valid = [c for c in tuning.ALL_CONFIGS if fits(c, case.K, case.V)]
+    on_gpu = (DEVICE == "cuda") if on_gpu is None else on_gpu
+    tma = tma_allowed(case, on_gpu)
+    valid = [c for c in tuning.ALL_CONFIGS if fits(c, case.K, case.V) and (tma or not c.kwargs.get("USE_TMA", False))]
     if not valid:  # K, V <= 16: a 16-wide tile, as prune clips the candidates
         BK = min(32, max(16, triton.next_power_of_2(case.K)))
         BV = min(32, max(16, triton.next_power_of_2(case.V)))
         valid = [triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=2)]
     per_tile = _one_per_tile(valid)
-    if case.sweep and INTERPRET:
+    if case.sweep and not on_gpu:
         chosen = per_tile[-1:] if quick else per_tile
         return chosen, chosen
     if case.sweep:
@@ -174,7 +199,7 @@ def _inputs(case: Case):
     """Random inputs on the CPU (float for the reference) and their kernel-side copies."""
     B, T, H, K, V, HQ = case.B, case.T, case.H, case.K, case.V, case.H * case.G
     N = B if case.cu is None else len(case.cu) - 1
-    dtype = torch.float32 if (case.fp32 or INTERPRET) else torch.bfloat16
+    dtype = input_dtype(case, DEVICE == "cuda")
     cpu = dict(k=torch.randn(B, T, H, K).to(dtype), v=torch.randn(B, T, H, V).to(dtype),
                q=torch.randn(B, T, HQ, K).to(dtype), do=torch.randn(B, T, HQ, V).to(dtype),
                h0=torch.randn(N, H, K, V) if case.h0 else None, dht=torch.randn(N, H, K, V) if case.dht else None,

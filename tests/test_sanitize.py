@@ -87,3 +87,34 @@ def test_workload_on_cpu(capsys):
     assert sanitize.main(["--quick", "--no-sanitizer"]) == 0
     out = capsys.readouterr().out
     assert "RESULT:" in out and " 0 failures" in out
+
+
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["as-on-gpu", "interpreter"])
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_every_picked_config_is_one_the_wrappers_accept(on_gpu, quick):
+    """The workload picks, for each case, only configs the wrappers accept on the machine it runs
+    on: tiles that fit K and V, and TMA loads only where every input row (k, v, q, do in the case's
+    input dtype, gk and gv in fp32) is a whole number of 16-byte units. Checked as a GPU would
+    choose, on any machine: the interpreter reads any row through a descriptor and would hide a
+    wrong pick (it did: ``BK32-BV64-w4-s4-tma`` for bf16 rows of K = 20 refused on the H200)."""
+    import torch
+
+    from chunkstate import tuning
+
+    def accepted(case, cfg):
+        if not sanitize.fits(cfg, case.K, case.V):
+            return False
+        if not cfg.kwargs.get("USE_TMA", False):
+            return True
+        size = (torch.float32 if case.fp32 or not on_gpu else torch.bfloat16).itemsize
+        rows = [(case.K, size), (case.V, size)] + [(case.K, 4)] * ("gk" in case.gates) + [(case.V, 4)] * ("gv" in case.gates)
+        return all(tuning.tma_rows(D, s) for D, s in rows)
+
+    for case in sanitize.CASES:
+        plain, pieces = sanitize.configs_for(case, quick, on_gpu)
+        assert plain and pieces, case.name
+        bad = [tuning.config_label(c) for c in plain + pieces if not accepted(case, c)]
+        assert not bad, f"{case.name}: configs the wrappers would refuse: {bad}"
+    odd = next(c for c in sanitize.CASES if c.name == "dense-vk-fp32states-split4")
+    assert not sanitize.tma_allowed(odd, on_gpu=True)  # bf16 rows of 20 and 36 elements: 40 and 72 bytes
+    assert sanitize.tma_allowed(odd, on_gpu=False)  # fp32 under the interpreter: 80 and 144 bytes
