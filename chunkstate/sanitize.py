@@ -46,6 +46,22 @@ three tools (not yet timed on the H200)::
 - ``--report-api-errors no``: torch and Triton probe the driver with calls that fail by design
   (e.g. pointer queries on host memory); those are not kernel errors.
 
+**TMA descriptors and initcheck.** A config with ``USE_TMA`` builds each tensor descriptor on the
+device (``kernel_parts.chunk_rows``): Triton fills the 128-byte descriptor in shared memory, then
+copies it into a global *scratch* buffer (128 bytes per descriptor per program, from the
+allocator set with ``triton.set_allocator``) with ``tensormap.cp_fenceproxy``, and the TMA unit
+reads it from there. initcheck does not count that copy as a write, so with scratch from
+``torch.empty`` it reports every 4-byte word of every descriptor as an uninitialised read at the
+``make_tensor_descriptor`` line. Two checks show those reports are initcheck's blind spot, not a
+read of memory nobody wrote, and the workload then runs with zero-filled scratch (``--scratch
+zero``, the default: the memset is a write initcheck sees), so any *other* uninitialised read is
+still reported:
+
+- on a GPU every TMA launch is repeated with scratch filled with 0xFF bytes and must give the same
+  bits as with zeros (``run_case``): the kernel reads no scratch byte it did not write;
+- ``--scratch uninitialized`` (``torch.empty``, as the package itself allocates it) reproduces the
+  reports; under initcheck with the default they are gone.
+
 Without a GPU (Triton's interpreter, CPU tensors; no sanitizer): ``python -m chunkstate.sanitize
 --quick --no-sanitizer`` runs the correctness part — configs that differ only in warps or stages
 are one run there, so each distinct tile shape runs once (``--quick``: the smallest and the largest).
@@ -222,6 +238,23 @@ def _tolerance(dtype) -> float:
     return 1e-5 if INTERPRET else 2e-3  # exact fp32 dots under the interpreter; tf32 on a GPU
 
 
+SCRATCH_FILLS = {"zero": 0x00, "ones": 0xFF, "uninitialized": None}  # --scratch: byte each scratch buffer holds
+
+
+def use_scratch(fill: str) -> None:
+    """Make Triton's scratch buffers (where TMA descriptors are built) torch tensors filled with the
+    byte ``SCRATCH_FILLS[fill]``, or left unwritten (``"uninitialized"``: ``torch.empty``, as
+    ``tuning.ensure_allocator`` does). See the module docstring."""
+    value = SCRATCH_FILLS[fill]
+
+    def allocate(size: int, alignment: int, stream):
+        if value is None:
+            return torch.empty(size, dtype=torch.uint8, device="cuda")
+        return torch.full((size,), value, dtype=torch.uint8, device="cuda")
+
+    triton.set_allocator(allocate)
+
+
 class Checker:
     def __init__(self, verbose: bool):
         self.checks, self.failures, self.verbose = 0, [], verbose
@@ -254,7 +287,24 @@ def _kv(x, case):
     return None if x is None else (x.transpose(-1, -2) if case.state_v_first else x)
 
 
-def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool) -> None:
+def scratch_check(check: Checker, what: str, launch, first, outs, scratch: str) -> None:
+    """Launch again with every scratch byte 0xFF: a kernel that reads only descriptor bytes it wrote
+    gives the same bits as with the workload's own scratch (module docstring)."""
+    use_scratch("ones")
+    try:
+        again = launch()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        check.fail(f"{what} (scratch 0xFF)", e)
+        return
+    finally:
+        use_scratch(scratch)
+    for name, i, present in outs:
+        if present:
+            check.same(f"{what} {name} (scratch 0xFF vs {scratch})", first[i], again[i])
+
+
+def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool, scratch: str = "zero") -> None:
     cpu, nat, dev, kg, dtype = _inputs(case)
     tol = _tolerance(dtype)
     h_ref, ht_ref = reference.recurrent_states(cpu["k"], cpu["v"], **nat, h0=cpu["h0"], cu_seqlens=cpu["cu"],
@@ -304,6 +354,8 @@ def run_case(case: Case, configs, piece_configs, check: Checker, poison: bool) -
                     check.close(f"{what} {name}", _kv(runs[0][i], case), refs[i], tol)
                     for again in runs[1:]:
                         check.same(f"{what} {name}", runs[0][i], again[i])
+                if DEVICE == "cuda" and cfg.kwargs.get("USE_TMA", False):
+                    scratch_check(check, what, lambda: run(cfg, P), runs[0], outs, scratch)
 
 
 class _no_poison:
@@ -321,20 +373,23 @@ def selected_cases(quick: bool) -> list[Case]:
     return cases
 
 
-def workload(quick: bool, poison: bool, verbose: bool, seed: int) -> int:
+def workload(quick: bool, poison: bool, verbose: bool, seed: int, scratch: str = "zero") -> int:
     """Run every selected case with its configs; print one line per case and a RESULT line.
     Returns the exit status (1 on any mismatch or error)."""
+    if DEVICE == "cuda":
+        use_scratch(scratch)
     check = Checker(verbose)
     start = time.time()
     for case in selected_cases(quick):
         configs, piece_configs = configs_for(case, quick)
         t0, f0, c0 = time.time(), len(check.failures), check.checks
-        run_case(case, configs, piece_configs, check, poison)
+        run_case(case, configs, piece_configs, check, poison, scratch)
         status = "ok" if len(check.failures) == f0 else f"{len(check.failures) - f0} FAILED"
         print(f"{case.name}: {len(configs)} configs, pieces {case.pieces}, {check.checks - c0} checks: {status} "
               f"({time.time() - t0:.1f} s)", flush=True)
     print(f"{RESULT_LINE} {check.checks} checks, {len(check.failures)} failures on {DEVICE} "
-          f"({'interpreter' if INTERPRET else 'compiled'}, {'quick' if quick else 'full'}, seed {seed}) in "
+          f"({'interpreter' if INTERPRET else 'compiled'}, {'quick' if quick else 'full'}, seed {seed}, "
+          f"scratch {scratch}) in "
           f"{time.time() - start:.0f} s", flush=True)
     return 1 if check.failures else 0
 
@@ -353,10 +408,10 @@ def find_sanitizer() -> str | None:
     return None
 
 
-def sanitizer_command(exe: str, tool: str, quick: bool) -> list[str]:
+def sanitizer_command(exe: str, tool: str, quick: bool, scratch: str = "zero") -> list[str]:
     """The exact command for one tool (the module docstring shows it as shell)."""
     cmd = [exe, "--tool", tool, "--error-exitcode", "1", "--report-api-errors", "no",
-           sys.executable, "-m", "chunkstate.sanitize"]
+           sys.executable, "-m", "chunkstate.sanitize", "--scratch", scratch]
     if quick:
         cmd.append("--quick")
     if tool == "initcheck":
@@ -393,7 +448,8 @@ def _summary(name: str, rc, out: str, secs: float, timeout: float, log_path: str
     return ok, " | ".join(parts)
 
 
-def all_tools(tools, quick: bool, timeout: float, log_dir: str | None, parallel: bool = False) -> int:
+def all_tools(tools, quick: bool, timeout: float, log_dir: str | None, parallel: bool = False,
+              scratch: str = "zero") -> int:
     """A plain run (warms Triton's on-disk cache, checks results), then each tool in turn, or,
     with ``parallel``, all tools at once (each in its own process, on the same GPU)."""
     if DEVICE != "cuda":
@@ -407,8 +463,9 @@ def all_tools(tools, quick: bool, timeout: float, log_dir: str | None, parallel:
     log_dir = log_dir or tempfile.mkdtemp(prefix="chunkstate-sanitize-")
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    plain = [sys.executable, "-m", "chunkstate.sanitize", "--no-sanitizer"] + (["--quick"] if quick else [])
-    tool_runs = [(tool, sanitizer_command(exe, tool, quick)) for tool in tools]
+    plain = [sys.executable, "-m", "chunkstate.sanitize", "--no-sanitizer", "--scratch", scratch]
+    plain += ["--quick"] if quick else []
+    tool_runs = [(tool, sanitizer_command(exe, tool, quick, scratch)) for tool in tools]
 
     def run(name, cmd) -> bool:
         log_path = os.path.join(log_dir, f"{name}.log")
@@ -448,6 +505,10 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", default=None, help="with --all-tools: where the full logs go (default: a temp dir)")
     p.add_argument("--list", action="store_true", help="print the cases and their configs, run nothing")
     p.add_argument("--seed", type=int, default=None, help="seed the inputs (default: fresh every run, printed)")
+    p.add_argument("--scratch", choices=sorted(SCRATCH_FILLS), default="zero",
+                   help="what Triton's scratch buffers (TMA descriptors) hold before a launch: zero (default), "
+                        "ones (0xFF) or uninitialized (torch.empty: initcheck then reports the descriptor "
+                        "copies it cannot see; module docstring)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every check")
     args = p.parse_args(argv)
     if args.list:
@@ -461,13 +522,13 @@ def main(argv=None) -> int:
         bad = [t for t in tools if t not in TOOLS]
         if bad:
             p.error(f"--tools takes {', '.join(TOOLS)}; got {bad}")
-        return all_tools(tools, args.quick, args.timeout, args.log_dir, args.parallel)
+        return all_tools(tools, args.quick, args.timeout, args.log_dir, args.parallel, args.scratch)
     if DEVICE != "cuda" and not args.no_sanitizer:
         p.error("no CUDA GPU here, so no compute-sanitizer: pass --no-sanitizer to run the checks under "
                 "Triton's interpreter (add --quick for a short run)")
     seed = int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed  # fresh inputs by default
     torch.manual_seed(seed)
-    return workload(args.quick, not args.no_poison, args.verbose, seed)
+    return workload(args.quick, not args.no_poison, args.verbose, seed, args.scratch)
 
 
 if __name__ == "__main__":

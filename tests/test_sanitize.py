@@ -118,3 +118,43 @@ def test_every_picked_config_is_one_the_wrappers_accept(on_gpu, quick):
     odd = next(c for c in sanitize.CASES if c.name == "dense-vk-fp32states-split4")
     assert not sanitize.tma_allowed(odd, on_gpu=True)  # bf16 rows of 20 and 36 elements: 40 and 72 bytes
     assert sanitize.tma_allowed(odd, on_gpu=False)  # fp32 under the interpreter: 80 and 144 bytes
+
+
+def test_scratch_fill_reaches_every_run(fake_runs, tmp_path):
+    """``--scratch`` (what TMA descriptor scratch holds before a launch) is passed to the plain run
+    and to every tool, so ``--all-tools --scratch uninitialized`` reproduces initcheck's reports."""
+    runs, _ = fake_runs
+    assert sanitize.all_tools(list(sanitize.TOOLS), True, 60, str(tmp_path), scratch="uninitialized") == 0
+    for name, *_, cmd in runs:
+        assert cmd[cmd.index("--scratch") + 1] == "uninitialized", name
+
+
+@pytest.mark.gpu
+def test_tma_kernels_read_no_scratch_byte_they_did_not_write():
+    """The descriptors a TMA config builds live in Triton's scratch buffers: the same launch with
+    every scratch byte 0x00 and 0xFF gives the same bits (so initcheck's reports there are about
+    the descriptor copy it cannot see, not about memory nobody wrote; sanitize's docstring)."""
+    import torch
+    import triton
+
+    from chunkstate import tuning
+    from chunkstate.gates import chunk_local_cumsum
+
+    if not tuning.tma_device("cuda"):
+        pytest.skip("this GPU has no TMA (compute capability < 9.0)")
+    B, T, H, K, V = 2, 300, 3, 64, 64
+    k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, V))
+    q, do = torch.randn_like(k), torch.randn_like(v)
+    gk = chunk_local_cumsum(torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda")), 64)
+    cfg = triton.Config({"BK": 64, "BV": 64, "USE_TMA": True}, num_warps=4, num_stages=3)
+    outs = {}
+    try:
+        for fill in ("zero", "ones"):
+            sanitize.use_scratch(fill)
+            h, ht = chunkstate.chunk_fwd_h(k, v, gk=gk, output_final_state=True, config=cfg, pieces=1)
+            dh, _ = chunkstate.chunk_bwd_dh(q, k, v, do, None, None, 0.125, gk=gk, config=cfg, pieces=1)
+            outs[fill] = (h, ht, dh)
+    finally:
+        triton.set_allocator(tuning._torch_allocator)
+    for a, b, name in zip(outs["zero"], outs["ones"], ("h", "ht", "dh")):
+        assert torch.equal(a, b), f"{name} depends on what the scratch held"
