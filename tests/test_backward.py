@@ -33,7 +33,6 @@ from chunkstate.testing import check_close, nan_poisoned_empty, rel_err
 
 DEVICE = chunkstate.DEVICE
 ON_GPU = DEVICE == "cuda"
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Triton's interpreter runs on CPU here)")
 
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -11}  # fp32: tf32 in tl.dot
 TOL = {dtype: 4 * u for dtype, u in U.items()}
@@ -570,7 +569,7 @@ GPU_CASES = [
 ]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}G{c[3]}K{c[4]}V{c[5]}-"
                          f"{'varlen-' if c[6] else ''}{'+'.join(c[7])}-BT{c[8]}-BS{c[9]}x{'-vk' if c[10] else ''}")
@@ -597,7 +596,7 @@ def _configs_to_check(dtype):
     return [c for c in tuning.ALL_CONFIGS if tuning.config_tuple(c) in tried]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_every_config(dtype):
     """Configs run through config= and checked, not only the autotuned winner (K = V = 128: every
@@ -636,7 +635,7 @@ def _fla_chunk_h():
     return fla_chunk_h
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate_names", [("g",), ("g_gamma",), ("gk",), ("gv",), ("gk", "gv"), ("g", "gk", "gv")],
                          ids="+".join)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -655,7 +654,7 @@ def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, fla_one_confi
     check_close(ours[1], theirs[1], "dh0 vs fla", TOL[dtype])
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_fla_gqa_bug_is_not_ours(fla_one_config):
     """fla 0.6.0 with HQ = 2H allocates HQ heads, launches N·H programs and indexes by HQ: its dh0
     is wrong (and part of its dh never written), while chunkstate matches the loop."""

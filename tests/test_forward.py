@@ -56,8 +56,8 @@ TOL_TF32 = 2e-3
 TOL = {torch.float32: TOL_FP32, torch.float16: TOL_FP16}
 
 ON_GPU = chunkstate.DEVICE == "cuda"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: bf16, large shapes and per-config "
-                              "compilation cannot run under Triton's interpreter on CPU")
+gpu_only = pytest.mark.gpu(reason="bf16, large shapes and per-config compilation cannot run under Triton's "
+                           "interpreter on CPU")
 cpu_only = pytest.mark.skipif(ON_GPU, reason="interpreter grid (fp16/fp32, small shapes): the GPU tests "
                               "below cover the compiled kernel")
 

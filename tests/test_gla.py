@@ -59,8 +59,7 @@ TOL_TF32 = 2e-3
 
 ON_GPU = chunkstate.DEVICE == "cuda"
 TOL_F32 = TOL_TF32 if ON_GPU else TOL_FP32  # fp32 cases run on either device
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: bf16, fla and larger shapes cannot run "
-                              "under Triton's interpreter on CPU")
+gpu_only = pytest.mark.gpu(reason="bf16, fla and larger shapes cannot run under Triton's interpreter on CPU")
 
 
 # ---------------------------------------------------------------------------------------------

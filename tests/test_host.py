@@ -164,7 +164,7 @@ def test_a_repeated_call_reads_nothing_back(pieces, monkeypatch, device):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.skipif(not ON_GPU, reason="device synchronisation exists only on a GPU")
+@pytest.mark.gpu(reason="device synchronisation exists only on a GPU")
 def test_dense_pieces_never_synchronise():
     """A dense batch cut into pieces (the small-batch path): after the first call, forward and
     backward launch without one device synchronisation."""

@@ -45,9 +45,8 @@ from chunkstate.testing import check_close
 
 DEVICE = chunkstate.DEVICE
 ON_GPU = DEVICE == "cuda"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: billions of elements (up to ~31 GB) "
-                              "cannot run under Triton's interpreter on CPU; the toy twins below check "
-                              "the same code at small size")
+gpu_only = pytest.mark.gpu(reason="billions of elements (up to ~31 GB) cannot run under Triton's interpreter "
+                           "on CPU; the toy twins below check the same code at small size")
 TOL = {torch.bfloat16: 1e-2, torch.float32: 2e-3 if ON_GPU else 1e-5}
 MAX_GB = 60
 INT31 = 2 ** 31

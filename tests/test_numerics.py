@@ -40,8 +40,8 @@ from chunkstate.testing import check_close, nan_poisoned_empty, rel_err
 
 DEVICE = chunkstate.DEVICE
 ON_GPU = DEVICE == "cuda"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: bf16 is silently wrong and 65,536 "
-                              "tokens far too slow under Triton's interpreter on CPU")
+gpu_only = pytest.mark.gpu(reason="bf16 is silently wrong and 65,536 tokens far too slow under Triton's "
+                           "interpreter on CPU")
 TOL_FP32 = 2e-3 if ON_GPU else 1e-5  # tf32 tl.dot on a GPU; exact fp32 under the interpreter
 TOL_FP16 = 2e-3
 TOL_BF16 = 1e-2
