@@ -7,16 +7,25 @@ memory) waits for every kernel queued before it. One such wait per call leaves t
 Python validates, plans and launches the next call: for a kernel of a few hundred microseconds
 that idle time is of the same size. fla does the same (its ``tensor_cache``).
 
-Two caches, both small and both keyed so a stale answer cannot come back:
+Two caches, both small, both safe to use from several threads (one lock), and keyed so a stale
+answer cannot come back:
 
-* ``host_offsets(cu)``: ``cu.tolist()`` per tensor *object*, checked by a weak reference to it,
-  its storage address and its version counter (which every in-place torch op bumps). Writes that
-  bypass torch's version counter (a raw kernel writing into ``cu``) are not seen.
+* ``host_offsets(cu)``: ``cu.tolist()``. For a CUDA tensor it is cached per tensor *object*
+  (``cached_host_offsets``),
+  checked by a weak reference to it, its storage address and its version counter (which every
+  in-place torch op bumps); a write that bypasses the version counter (``cu.data``, a raw kernel)
+  is not seen. A CPU tensor is read every time: that costs no device wait, and it sees writes
+  through numpy too.
 * ``on_device(values, dtype, device)``: an int tensor made from a host tuple, per
   (values, dtype, device). Kernels only read these tensors; callers must not write to them.
+
+The kernels read their offsets from ``on_device`` copies of the very values that were validated
+(``_validate.cu_seqlens``), never from the caller's tensor: whatever happens to that tensor, a
+kernel cannot index outside its buffers.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -24,11 +33,13 @@ import torch
 
 MAX_ENTRIES = 64
 
+_lock = threading.Lock()  # guards both caches
 _host_cache: OrderedDict[int, tuple] = OrderedDict()  # id(cu) -> (weakref, data_ptr, version, host tuple)
 _device_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (values, dtype, device) -> tensor
 
 
 def _remember(cache: OrderedDict, key, value) -> None:
+    """Put ``key`` last (most recent) and drop the oldest entries beyond ``MAX_ENTRIES``; hold ``_lock``."""
     cache[key] = value
     cache.move_to_end(key)
     while len(cache) > MAX_ENTRIES:
@@ -36,30 +47,42 @@ def _remember(cache: OrderedDict, key, value) -> None:
 
 
 def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
-    """``tuple(cu.tolist())``, read from the device only the first time this tensor is seen (and
-    again after it changes in place)."""
+    """``tuple(cu.tolist())``: read every time from a CPU tensor, through ``cached_host_offsets``
+    from any other."""
+    if cu.device.type == "cpu":
+        return tuple(cu.tolist())
+    return cached_host_offsets(cu)
+
+
+def cached_host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
+    """``tuple(cu.tolist())``, read only the first time this tensor is seen (and again after it
+    changes in place)."""
     try:
         version = cu._version
     except RuntimeError:  # inference-mode tensors keep no version counter: never cache them
         return tuple(cu.tolist())
-    entry = _host_cache.get(id(cu))
-    if entry is not None and entry[0]() is cu and entry[1:3] == (cu.data_ptr(), version):
-        _host_cache.move_to_end(id(cu))
-        return entry[3]
-    host = tuple(cu.tolist())
-    _remember(_host_cache, id(cu), (weakref.ref(cu), cu.data_ptr(), version, host))
+    with _lock:
+        entry = _host_cache.get(id(cu))
+        if entry is not None and entry[0]() is cu and entry[1:3] == (cu.data_ptr(), version):
+            _host_cache.move_to_end(id(cu))
+            return entry[3]
+    host = tuple(cu.tolist())  # the device wait, outside the lock
+    with _lock:
+        _remember(_host_cache, id(cu), (weakref.ref(cu), cu.data_ptr(), version, host))
     return host
 
 
 def on_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)``, made once per distinct input."""
     key = (tuple(values), dtype, str(torch.device(device)))
-    t = _device_cache.get(key)
-    if t is None:
-        t = torch.tensor(key[0], dtype=dtype, device=device)
+    with _lock:
+        t = _device_cache.get(key)
+        if t is not None:
+            _device_cache.move_to_end(key)
+            return t
+    t = torch.tensor(key[0], dtype=dtype, device=device)
+    with _lock:
         _remember(_device_cache, key, t)
-    else:
-        _device_cache.move_to_end(key)
     return t
 
 
@@ -85,12 +108,13 @@ def split_slots(lengths, split_size: int, device) -> tuple[int, torch.Tensor]:
     return offsets[-1], on_device(offsets, torch.int64, device)
 
 
-def splits(cu_seqlens, B: int, T: int, split_size: int, device) -> tuple[list[int], int, torch.Tensor | None]:
-    """What a kernel wrapper needs to size and launch: the sequence lengths, NS, and each packed
-    sequence's first split slot (None for a dense batch, whose slots follow from T)."""
-    if cu_seqlens is None:
+def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[list[int], int, torch.Tensor | None]:
+    """What a kernel wrapper needs to size and launch, from validated host offsets ``cu_host`` (None
+    for a dense batch): the sequence lengths, NS, and each packed sequence's first split slot (None
+    for a dense batch, whose slots follow from T)."""
+    if cu_host is None:
         return [T] * B, -(-T // split_size), None
-    lens = lengths(host_offsets(cu_seqlens))
+    lens = lengths(cu_host)
     NS, first_slots = split_slots(lens, split_size, device)
     return lens, NS, first_slots
 
@@ -108,5 +132,6 @@ def next_power_of_2(n: int) -> int:
 
 def clear() -> None:
     """Forget everything (tests; or after writing into an offsets tensor behind torch's back)."""
-    _host_cache.clear()
-    _device_cache.clear()
+    with _lock:
+        _host_cache.clear()
+        _device_cache.clear()

@@ -66,13 +66,17 @@ def sizes(chunk_size, split_size) -> tuple[int, int]:
 
 
 def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
-    """Check packed-batch offsets [N+1]; return (cu as int32 contiguous or None, N).
+    """Check packed-batch offsets [N+1]; return (the offsets the kernels are to read, the same
+    values on the host, N), or (None, None, B) for a dense batch.
 
-    Reads the offsets on the host, as fla does to size the outputs: one device sync the first
-    time a tensor is seen, none on later calls with the same tensor (``_host.host_offsets``).
+    Reads the offsets on the host, as fla does to size the outputs: for a CUDA tensor one device
+    sync the first time it is seen, none on later calls with the same tensor
+    (``_host.host_offsets``). The returned device tensor is made from the checked host values
+    (``_host.on_device``, cached per values, in the caller's dtype), not the caller's tensor: a
+    kernel reading it indexes exactly what was validated, whatever becomes of ``cu``.
     """
     if cu is None:
-        return None, B
+        return None, None, B
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
@@ -90,7 +94,7 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
         raise ValueError("cu_seqlens must be non-decreasing")
     if host[-1] != T:
         raise ValueError(f"cu_seqlens must end at T={T}, got {host[-1]}")
-    return cu.contiguous(), len(host) - 1
+    return _host.on_device(host, cu.dtype, cu.device), host, len(host) - 1
 
 
 def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):

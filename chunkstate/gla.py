@@ -67,11 +67,9 @@ Design choices, each for clarity or safety:
   cast back at the end. (``ChunkGLAFunction`` keeps float64 inputs in float64 there: the tests
   gradcheck it with float64 stand-ins for the two state kernels. ``chunk_gla`` itself takes
   fp16/bf16/fp32 only.)
-- **Speed.** The intra-chunk part is written for reading, not speed: a few dozen PyTorch ops
-  with fp32 temporaries of q's size, where fla fuses it into Triton kernels.
-  ``bench_against_fla`` times both on a GPU: on the H200 at B8 T4096 H16 K = V = 128, bf16,
-  gate gk, this op's forward took 11.4 ms and forward + backward 42.1 ms, fla's 1.36 ms and
-  5.82 ms (2026-12-02, commit c670d0c).
+- **Speed.** The intra-chunk part is plain PyTorch written for reading, not speed: a few dozen
+  ops with fp32 temporaries of q's size, several times slower than fla's fused Triton op.
+  ``python -m chunkstate.bench --gla`` times both on a GPU.
 """
 from __future__ import annotations
 
@@ -380,82 +378,7 @@ def chunk_gla(
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
     BT, _ = _validate.sizes(chunk_size, None)
-    cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=q)
+    cu_seqlens, _, N = _validate.cu_seqlens(cu_seqlens, B, T, like=q)
     if initial_state is not None:
         initial_state = _validate.tensor("initial_state", initial_state, (N, H, K, V), like=q)
     return ChunkGLAFunction.apply(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, BT)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing on a GPU
-# ---------------------------------------------------------------------------------------------
-
-def bench_against_fla(B: int = 8, T: int = 4096, H: int = 16, K: int = 128, V: int = 128,
-                      dtype: torch.dtype = torch.bfloat16, gate: str = "gk", chunk_size: int = 64) -> dict:
-    """Median times (ms, ``triton.testing.do_bench``) of the forward and of forward+backward of
-    :func:`chunk_gla` and of fla's op on the same inputs, and each one's first-call seconds
-    (``"fwd first s"``), printed as they are measured (fla's first call can take minutes) and
-    returned.
-
-    ``gate="gk"`` compares with ``fla.ops.gla.chunk_gla`` (per-key gate), ``gate="g"`` with
-    ``fla.ops.simple_gla.chunk_simple_gla`` (scalar gate). Gates are ``logsigmoid`` of N(0, 1)
-    in fp32; ``do`` is a fixed random gradient; every input needs a gradient. fla's entry is a
-    string saying why when fla is not importable or refuses to run (fla 0.6.0 raises for the gated
-    simple-GLA backward on Hopper with Triton < 3.7.1). Needs a CUDA GPU (raises RuntimeError).
-    """
-    if not torch.cuda.is_available() or _validate.INTERPRET:
-        raise RuntimeError("bench_against_fla needs a CUDA GPU (chunkstate's kernels compiled, not interpreted)")
-    import torch.nn.functional as F
-    from triton.testing import do_bench
-
-    if gate not in ("g", "gk"):
-        raise ValueError(f'gate must be "g" or "gk", got {gate!r}')
-    dev = "cuda"
-    q, k = (torch.randn(B, T, H, K, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-    v = torch.randn(B, T, H, V, device=dev, dtype=dtype, requires_grad=True)
-    shape = (B, T, H) if gate == "g" else (B, T, H, K)
-    a = F.logsigmoid(torch.randn(*shape, device=dev)).requires_grad_()
-    do = torch.randn(B, T, H, V, device=dev, dtype=dtype)
-    leaves = [q, k, v, a]
-
-    def ours():
-        return chunk_gla(q, k, v, **{gate: a}, chunk_size=chunk_size)[0]
-
-    try:
-        if gate == "gk":
-            from fla.ops.gla import chunk_gla as fla_op
-        else:
-            from fla.ops.simple_gla import chunk_simple_gla as fla_op
-
-        def theirs():
-            return fla_op(q, k, v, g=a)[0]
-    except ImportError as e:
-        theirs = f"fla not importable ({e})"
-
-    import time
-
-    print(f"chunk_gla B{B} T{T} H{H} K{K} V{V} {str(dtype).replace('torch.', '')} gate={gate} BT={chunk_size} "
-          "(median ms; 'first': the first call's seconds, compiling and autotuning included):", flush=True)
-    results = {}
-    for name, f in (("chunkstate", ours), ("fla", theirs)):
-        if isinstance(f, str):
-            results[name] = f
-            print(f"  {name:10s} {f}", flush=True)
-            continue
-        results[name] = {}
-        for what, fn in (("fwd", f), ("fwd+bwd", lambda: f().backward(do))):
-            try:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                results[name][what] = do_bench(fn, grad_to_none=leaves, return_mode="median")
-                results[name][what + " first s"] = first
-                print(f"  {name:10s} {what:8s} {results[name][what]:.3f} ms (first {first:.1f} s)", flush=True)
-            except RuntimeError as e:
-                if name == "chunkstate":
-                    raise
-                results[name][what] = f"fla raised: {e}"
-                print(f"  {name:10s} {what:8s} fla raised: {e}", flush=True)
-    return results

@@ -13,12 +13,25 @@ states go, and the choice between the autotuner and an explicit config.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from . import _host, _validate, tuning
+from .env import INTERPRET
+
+# Triton's interpreter keeps per-launch state in module globals: two threads launching at once can
+# fail inside it. Under the interpreter every launch of chunkstate's kernels takes this lock.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def serialised():
+    """A context for one kernel launch: holds ``_INTERPRETER_LOCK`` under the interpreter, nothing
+    when compiled (compiled launches from several threads are Triton's and CUDA's business)."""
+    return _INTERPRETER_LOCK if INTERPRET else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,7 @@ class Problem:
     BS: int
     lengths: tuple[int, ...]
     NS: int
-    cu_seqlens: torch.Tensor | None  # [N + 1] int32 offsets the kernels read (packed batches)
+    cu_seqlens: torch.Tensor | None  # [N + 1] the validated offsets the kernels read (packed batches)
     split_offsets: torch.Tensor | None  # [N + 1] int64 first state slot of each packed sequence
     state_v_first: bool
 
@@ -49,9 +62,9 @@ def problem(like: torch.Tensor, B: int, T: int, H: int, K: int, V: int, cu_seqle
             state_v_first: bool) -> Problem:
     """Check the sizes and offsets shared by both kernels; ``like`` fixes the device."""
     BT, BS = _validate.sizes(chunk_size, split_size)
-    cu_seqlens, N = _validate.cu_seqlens(cu_seqlens, B, T, like=like)
+    cu_seqlens, cu_host, N = _validate.cu_seqlens(cu_seqlens, B, T, like=like)
     # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
-    lengths, NS, split_offsets = _host.splits(cu_seqlens, B, T, BS, like.device)
+    lengths, NS, split_offsets = _host.splits(cu_host, B, T, BS, like.device)
     return Problem(B, T, H, K, V, N, BT, BS, tuple(lengths), NS, cu_seqlens, split_offsets, state_v_first)
 
 
@@ -94,7 +107,8 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
-    if config is None:
-        tuned[grid](**args)
-    else:
-        kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages)
+    with serialised():
+        if config is None:
+            tuned[grid](**args)
+        else:
+            kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,5 +1,6 @@
-"""Host-side offsets (``chunkstate._host``): a repeated call with the same ``cu_seqlens`` reads
-nothing back from the device, yet offsets changed in place are never served stale.
+"""Host-side offsets (``chunkstate._host``): a repeated call with the same CUDA ``cu_seqlens`` reads
+nothing back from the device, yet offsets changed in place are never served stale; the caches are
+safe to use from several threads, and kernels read only offsets that were validated.
 
 On CPU the reads are counted by patching ``torch.Tensor.tolist`` and ``torch.tensor``; on a GPU
 the repeated calls also run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
@@ -53,29 +54,46 @@ def _cu(lens, device):
 
 
 def test_host_offsets_read_once_per_tensor(monkeypatch, device):
+    """The cache behind ``host_offsets`` for CUDA tensors (``cached_host_offsets``), on any device."""
     cu = _cu([5, 0, 7], device)
     reads = _Reads(monkeypatch)
-    assert _host.host_offsets(cu) == (0, 5, 5, 12)
-    assert _host.host_offsets(cu) == (0, 5, 5, 12)
+    assert _host.cached_host_offsets(cu) == (0, 5, 5, 12)
+    assert _host.cached_host_offsets(cu) == (0, 5, 5, 12)
     assert reads.tolist == 1
     same_values = cu.clone()  # another tensor: read again, never confused with the first
-    assert _host.host_offsets(same_values) == (0, 5, 5, 12) and reads.tolist == 2
+    assert _host.cached_host_offsets(same_values) == (0, 5, 5, 12) and reads.tolist == 2
+    assert _host.host_offsets(cu) == (0, 5, 5, 12)
+    assert reads.tolist == (2 if ON_GPU else 3)  # host_offsets reads a CPU tensor every time
 
 
 def test_host_offsets_see_in_place_changes(device):
     cu = _cu([5, 0, 7], device)
-    assert _host.host_offsets(cu) == (0, 5, 5, 12)
-    cu[1] = 3  # bumps the version counter
-    assert _host.host_offsets(cu) == (0, 3, 5, 12)
-    cu.add_(1)
-    assert _host.host_offsets(cu) == (1, 4, 6, 13)
+    for read in (_host.host_offsets, _host.cached_host_offsets):
+        assert read(cu) == (0, 5, 5, 12)
+        cu[1] = 3  # bumps the version counter
+        assert read(cu) == (0, 3, 5, 12)
+        cu.add_(1)
+        assert read(cu) == (1, 4, 6, 13)
+        cu.copy_(_cu([5, 0, 7], device))
+
+
+def test_cpu_offsets_see_writes_behind_torchs_back():
+    """A CPU tensor changed through the numpy array it shares memory with (no version bump) is
+    read as it is now."""
+    import numpy as np
+
+    arr = np.array([0, 10, 40], dtype=np.int32)
+    cu = torch.from_numpy(arr)
+    assert _host.host_offsets(cu) == (0, 10, 40)
+    arr[:] = [0, 39, 40]
+    assert _host.host_offsets(cu) == (0, 39, 40)
 
 
 def test_inference_tensors_are_read_every_time(monkeypatch, device):
     with torch.inference_mode():
         cu = _cu([4, 4], device)
     reads = _Reads(monkeypatch)
-    assert _host.host_offsets(cu) == _host.host_offsets(cu) == (0, 4, 8)
+    assert _host.cached_host_offsets(cu) == _host.cached_host_offsets(cu) == (0, 4, 8)
     assert reads.tolist == 2
 
 
@@ -91,7 +109,7 @@ def test_on_device_makes_each_tensor_once(monkeypatch, device):
 def test_cache_is_bounded(device):
     for n in range(3 * _host.MAX_ENTRIES):
         _host.on_device((0, n), torch.int64, device)
-        _host.host_offsets(_cu([n], device))
+        _host.cached_host_offsets(_cu([n], device))
     assert len(_host._device_cache) == len(_host._host_cache) == _host.MAX_ENTRIES
 
 
@@ -159,7 +177,9 @@ def test_a_repeated_call_reads_nothing_back(pieces, monkeypatch, device):
     finally:
         if ON_GPU:
             torch.cuda.set_sync_debug_mode("default")
-    assert (reads.tolist, reads.tensor) == (0, 0)
+    # a CPU tensor's offsets are read again on each call (forward, backward): no device wait, and
+    # a write through numpy is seen; the tensors made from them are not made again
+    assert (reads.tolist, reads.tensor) == ((0, 0) if ON_GPU else (2, 0))
     for a, b, name in zip(first, second, ("h", "ht", "dh")):
         assert torch.equal(a, b), name
 
@@ -252,7 +272,8 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
     (``tuning.Pruner`` calls ``tuning.compile_configs``) before the autotuner times them: the
     autotuner itself then compiles nothing, and the tuned result is still the float64 loop's. The
     key (K = 40, V = 24, BT = 16, BS = 48) is used by no other test."""
-    from chunkstate import tuning, bench
+    from chunkstate import tuning
+    from chunkstate.testing import n_compiled
     from chunkstate.backward import _tuned_backward
     from chunkstate.forward import _tuned_forward
 
@@ -268,7 +289,7 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
 
     def counting(kernel, args, configs):
         started.append(real(kernel, args, configs))
-        counts.append(bench.n_compiled([tuner.fn]))
+        counts.append(n_compiled([tuner.fn]))
         return started[-1]
 
     monkeypatch.setattr(tuning, "compile_configs", counting)
@@ -284,5 +305,144 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
     torch.cuda.synchronize()
     candidates = tuning.prune(tuner.configs, dict(K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(B * H), TMA_OK=1))
     assert started == [len(candidates)] and len(candidates) >= 2, (started, len(candidates))
-    assert bench.n_compiled([tuner.fn]) == counts[0], "the autotuner compiled a config the threads had not"
+    assert n_compiled([tuner.fn]) == counts[0], "the autotuner compiled a config the threads had not"
     check_close(out, ref, f"{direction} after compiling side by side", TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offsets changed behind torch's back, and threads
+# ---------------------------------------------------------------------------------------------
+
+STALE_OFFSETS = """
+import numpy as np, torch, chunkstate
+k, v = torch.randn(1, 40, 1, 16), torch.randn(1, 40, 1, 16)
+arr = np.array([0, 10, 40], dtype=np.int32); cu = torch.from_numpy(arr)
+chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16)
+arr[:] = [0, 39, 4000]
+try:
+    chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_offsets_changed_through_numpy_never_reach_a_kernel_unchecked():
+    """Issue 22's reproducer, in a fresh interpreter process (it used to abort with "double free or
+    corruption"): offsets changed through the numpy array behind a CPU ``cu_seqlens`` are checked
+    again, so the second call is refused naming the argument, and the process exits cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", STALE_OFFSETS], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: cu_seqlens must end at T=40, got 4000" in done.stdout, done.stdout
+
+
+def test_offsets_changed_through_numpy_in_range_are_used(device):
+    """In-range offsets changed through numpy: the next call computes with them, every state slot
+    written (the NaN-poisoned outputs would show one left out)."""
+    if device != "cpu":
+        pytest.skip("numpy shares memory with CPU tensors only")
+    import numpy as np
+
+    k, v = torch.randn(1, 40, 1, 16), torch.randn(1, 40, 1, 16)
+    arr = np.array([0, 10, 40], dtype=np.int32)
+    cu = torch.from_numpy(arr)
+    chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16)
+    arr[:] = [0, 39, 40]
+    with nan_poisoned_empty():
+        h, ht = chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16, output_final_state=True)
+    h_ref, ht_ref = reference.recurrent_states(k, v, cu_seqlens=torch.tensor([0, 39, 40]), chunk_size=16)
+    check_close(h, h_ref, "h after the offsets changed", TOL)
+    check_close(ht, ht_ref, "ht after the offsets changed", TOL)
+
+
+@pytest.mark.gpu(reason="a CUDA tensor's offsets are cached; numpy cannot write a CPU one behind the cache")
+def test_cuda_offsets_changed_behind_the_version_counter_stay_memory_safe():
+    """``cu.data`` writes bypass the version counter, so the cached host offsets go stale: the
+    kernels still read the validated copy, so every slot of the old plan is written, nothing
+    outside it, and the result is the first call's."""
+    k, v = torch.randn(1, 40, 1, 16, device="cuda"), torch.randn(1, 40, 1, 16, device="cuda")
+    cu = torch.tensor([0, 10, 40], dtype=torch.int32, device="cuda")
+    with nan_poisoned_empty():
+        first = chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16, output_final_state=True)
+    cu.data.copy_(torch.tensor([0, 39, 4000], dtype=torch.int32, device="cuda"))
+    with nan_poisoned_empty():
+        second = chunkstate.chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=16, output_final_state=True)
+    torch.cuda.synchronize()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _hammer(fn, threads: int, calls: int) -> list[BaseException]:
+    """Run ``fn(thread, i)`` ``calls`` times in each of ``threads`` threads; the exceptions raised."""
+    import threading
+
+    errors, start = [], threading.Barrier(threads)
+
+    def work(t):
+        start.wait()
+        for i in range(calls):
+            try:
+                fn(t, i)
+            except BaseException as e:  # noqa: BLE001  collected, reported by the test
+                errors.append(e)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return errors
+
+
+def test_host_caches_are_thread_safe(device):
+    """Four threads making and evicting cache entries at once (more distinct keys than the caches
+    hold): no error, and every answer right. Unguarded, ``get`` then ``move_to_end`` / ``popitem``
+    raised thousands of KeyErrors in 400,000 calls."""
+    tensors = [_cu([n, 3], device) for n in range(2 * _host.MAX_ENTRIES)]
+
+    def call(t, i):
+        n = (7 * i + t) % len(tensors)
+        assert _host.on_device((0, n), torch.int64, device).tolist() == [0, n]
+        assert _host.cached_host_offsets(tensors[n]) == (0, n, n + 3)
+
+    errors = _hammer(call, threads=4, calls=20_000)
+    assert not errors, f"{len(errors)} errors, e.g. {errors[0]!r}"
+
+
+def test_chunk_local_cumsum_from_threads(device):
+    lens = [5, 0, 7, 12]
+    cus = [_cu([n, *lens], device) for n in range(2 * _host.MAX_ENTRIES)]
+    g = F.logsigmoid(torch.randn(1, 24 + 2 * _host.MAX_ENTRIES, 2, device=device))
+
+    def call(t, i):
+        cu = cus[(3 * i + t) % len(cus)]
+        T = int(cu[-1])
+        out = gates.chunk_local_cumsum(g[:, :T], 4, cu)
+        assert out.shape == (1, T, 2)
+
+    errors = _hammer(call, threads=4, calls=300)
+    assert not errors, f"{len(errors)} errors, e.g. {errors[0]!r}"
+
+
+def test_kernels_from_threads(device):
+    """Several threads calling the kernels at once get right answers (under the interpreter the
+    launches are serialised: ``launch.serialised``)."""
+    lens = [9, 0, 20]
+    k, v, g = _inputs(lens, 16, 16, device)
+    cu = _cu(lens, device)
+    G = gates.chunk_local_cumsum(g, 16, cu)
+    h_ref, ht_ref = reference.recurrent_states(k, v, g=g, cu_seqlens=cu, chunk_size=16)
+
+    def call(t, i):
+        h, ht = chunkstate.chunk_fwd_h(k, v, g=G, cu_seqlens=cu, chunk_size=16, output_final_state=True,
+                                       pieces=1 + (t % 2))
+        check_close(h, h_ref, f"thread {t} call {i}: h", TOL)
+        check_close(ht, ht_ref, f"thread {t} call {i}: ht", TOL)
+
+    errors = _hammer(call, threads=4, calls=3)
+    assert not errors, f"{len(errors)} errors, e.g. {errors[0]!r}"
