@@ -39,9 +39,14 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def kernel_input(name: str, x: torch.Tensor) -> None:
     """The tensor a kernel computes in: fp16, bf16 or fp32 (``tl.dot`` takes no fp64), on a
-    CUDA GPU when compiled, on the CPU under Triton's interpreter."""
+    CUDA GPU when compiled, on the CPU under Triton's interpreter (and there not bf16, which the
+    interpreter computes wrongly)."""
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be fp16, bf16 or fp32 (what the kernels compute in), got {x.dtype}")
+    if INTERPRET and x.dtype == torch.bfloat16:
+        raise TypeError(f"{name} is bf16, which Triton's interpreter (TRITON_INTERPRET=1, how kernels run "
+                        "without a CUDA GPU) computes wrongly: its bf16 arithmetic and tl.dot treat the bits "
+                        "as integers, off by ~1e10. Pass fp32 or fp16 here; bf16 runs on a GPU")
     if INTERPRET and x.device.type != "cpu":
         raise ValueError(f"{name} is on {x.device}, but Triton runs in interpreter mode "
                          "(TRITON_INTERPRET=1): pass CPU tensors")
@@ -50,8 +55,12 @@ def kernel_input(name: str, x: torch.Tensor) -> None:
                          "here: pass CUDA tensors (or set TRITON_INTERPRET=1 before importing chunkstate)")
 
 
+MAX_SPLIT = 2 ** 31 - 1  # the kernels take BS as a 32-bit constant
+
+
 def sizes(chunk_size, split_size) -> tuple[int, int]:
-    """(BT, BS): chunk_size a power of two in [16, 256]; split_size a positive multiple of it."""
+    """(BT, BS): chunk_size a power of two in [16, 256]; split_size a positive multiple of it,
+    below 2^31."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if chunk_size < 16 or chunk_size > 256 or chunk_size & (chunk_size - 1):
@@ -60,8 +69,9 @@ def sizes(chunk_size, split_size) -> tuple[int, int]:
         return chunk_size, chunk_size
     if isinstance(split_size, bool) or not isinstance(split_size, int):
         raise TypeError(f"split_size must be an int or None, got {type(split_size).__name__}")
-    if split_size <= 0 or split_size % chunk_size:
-        raise ValueError(f"split_size must be a positive multiple of chunk_size={chunk_size}, got {split_size}")
+    if split_size <= 0 or split_size % chunk_size or split_size > MAX_SPLIT:
+        raise ValueError(f"split_size must be a positive multiple of chunk_size={chunk_size} below 2^31 "
+                         f"(a split longer than any sequence stores one state per sequence), got {split_size}")
     return chunk_size, split_size
 
 
@@ -106,14 +116,28 @@ def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):
     return g, g_gamma, gk, gv
 
 
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def real(name: str, x) -> float:
-    """A finite real number (int, float, numpy scalar; not bool, not a tensor) as a Python float.
+    """A real number finite in fp32 (int, float, numpy scalar; not bool, not a tensor) as a Python
+    float.
 
     Kernels take it as an fp32 scalar argument that is never specialised on its value.
     """
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number (int or float), got {type(x).__name__}")
     x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
+    if not math.isfinite(x) or abs(x) > FP32_MAX:
+        raise ValueError(f"{name} must be finite in fp32 (|{name}| <= {FP32_MAX:.4g}, the kernels take it as "
+                         f"fp32), got {x}")
     return x
+
+
+def flag(name: str, x) -> bool:
+    """A bool argument: ``True`` or ``False`` (numpy's bool too), never a truthy string or number."""
+    if isinstance(x, bool):
+        return x
+    if type(x).__name__ == "bool_":  # numpy.bool_
+        return bool(x)
+    raise TypeError(f"{name} must be True or False, got {x!r} ({type(x).__name__})")

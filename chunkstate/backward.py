@@ -213,7 +213,12 @@ def chunk_bwd_dh(
             None when ``h0`` is None.
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, heads, devices, sizes,
-        offsets or a non-real ``scale``.
+        offsets, a ``scale`` that is not a real number finite in fp32, flags that are not bools, or
+        a malformed ``config``; TypeError for bf16 under Triton's interpreter (which computes it
+        wrongly).
+
+    The outputs are plain tensors, detached from autograd even when the inputs require grad:
+    ``chunkstate.chunk_gla`` is the differentiable op built on this kernel.
     """
     q = _validate.tensor("q", q)
     if q.dim() != 4:
@@ -231,6 +236,8 @@ def chunk_bwd_dh(
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
     _validate.kernel_input("q", q)
     scale = _validate.real("scale", scale)
+    state_v_first = _validate.flag("state_v_first", state_v_first)
+    states_in_fp32 = _validate.flag("states_in_fp32", states_in_fp32)
     g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=q)
     p = launch.problem(q, B, T, H, K, V, cu_seqlens, chunk_size, split_size, state_v_first)
     if h0 is not None:

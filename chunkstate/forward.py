@@ -179,8 +179,12 @@ def chunk_fwd_h(
             [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);
         ht: [N, H, K, V] fp32, or None unless ``output_final_state`` (= h0, or 0, for an empty sequence).
     Raises:
-        TypeError / ValueError naming the argument for wrong types, shapes, heads, devices, sizes
-        or offsets.
+        TypeError / ValueError naming the argument for wrong types, shapes, heads, devices, sizes,
+        offsets, flags that are not bools, or a malformed ``config``; TypeError for bf16 under
+        Triton's interpreter (which computes it wrongly).
+
+    The outputs are plain tensors, detached from autograd even when the inputs require grad:
+    ``chunkstate.chunk_gla`` is the differentiable op built on this kernel.
     """
     k = _validate.tensor("k", k)
     if k.dim() != 4:
@@ -191,6 +195,9 @@ def chunk_fwd_h(
     if v.dtype != k.dtype:
         raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
     _validate.kernel_input("k", k)
+    output_final_state = _validate.flag("output_final_state", output_final_state)
+    state_v_first = _validate.flag("state_v_first", state_v_first)
+    states_in_fp32 = _validate.flag("states_in_fp32", states_in_fp32)
     g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
     p = launch.problem(k, B, T, H, K, V, cu_seqlens, chunk_size, split_size, state_v_first)
     if h0 is not None:

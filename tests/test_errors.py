@@ -1,5 +1,5 @@
-"""Bad inputs to ``chunkstate.chunk_fwd_h``: each gets a TypeError / ValueError naming the argument
-and what was expected, before anything is launched.
+"""Bad inputs to ``chunkstate.chunk_fwd_h`` (and the backward's own arguments): each gets a
+TypeError / ValueError naming the argument and what was expected, before anything is launched.
 
 Tensors on another device are simulated with the ``meta`` device (no memory, any machine).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import chunkstate
 
@@ -191,3 +192,69 @@ def test_inputs_on_a_device_the_kernels_cannot_use(ok):
     want = "interpreter mode" if chunkstate.INTERPRET else "run compiled on a CUDA GPU"
     with pytest.raises(ValueError, match=rf"k is on meta, but .*{want}"):
         chunkstate.chunk_fwd_h(**args)
+
+
+# ------------------------------------------------------------------ flags, scale, config, bf16
+
+@pytest.mark.parametrize("name", ["output_final_state", "state_v_first", "states_in_fp32"])
+@pytest.mark.parametrize("value", ["no", "False", 1, 0, None, torch.tensor(True)], ids=["str-no", "str-False", "one",
+                                                                                        "zero", "none", "tensor"])
+def test_flags_must_be_bools(ok, name, value):
+    """A flag is True or False: ``"no"`` or ``"False"`` would be silently truthy."""
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        chunkstate.chunk_fwd_h(**dict(ok, **{name: value}))
+
+
+@pytest.mark.parametrize("name", ["state_v_first", "states_in_fp32"])
+def test_backward_flags_must_be_bools(device, name):
+    q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, **{name: "False"})
+
+
+@pytest.mark.parametrize("scale", [1e39, -4e38, float("inf"), float("nan")])
+def test_scale_must_be_finite_in_fp32(device, scale):
+    """The kernels take ``scale`` as fp32: 1e39 would become inf there, and the gradients NaN."""
+    q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
+    with pytest.raises(ValueError, match=r"scale must be finite in fp32"):
+        chunkstate.chunk_bwd_dh(q, k, k, k, None, None, scale, chunk_size=16)
+
+
+def test_split_size_below_2_to_the_31(ok):
+    with pytest.raises(ValueError, match=r"split_size must be a positive multiple of chunk_size=16 below 2\^31"):
+        chunkstate.chunk_fwd_h(**dict(ok, split_size=2 ** 31))
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    ({"BK": 32, "BV": 32}, TypeError, r"config must be a triton\.Config"),
+    ("BK32-BV32", TypeError, r"config must be a triton\.Config"),
+    (triton.Config({"BK": 0, "BV": 32}), ValueError, r"config's BK must be 16, 32, 64 or 128"),
+    (triton.Config({"BK": 48, "BV": 32}), ValueError, r"config's BK must be 16, 32, 64 or 128"),
+    (triton.Config({"BK": 32, "BV": 256}), ValueError, r"config's BV must be 16, 32, 64 or 128"),
+    (triton.Config({"BK": 32.0, "BV": 32}), ValueError, r"config's BK must be"),
+    (triton.Config({"BV": 32}), ValueError, r"config's BK must be 16, 32, 64 or 128 \(a tile width\), got None"),
+    (triton.Config({"BK": 32, "BV": 32, "BT": 64}), ValueError, r"config has keys \['BT'\] this kernel does not take"),
+    (triton.Config({"BK": 32, "BV": 32, "use_tma": True}), ValueError, r"config has keys \['use_tma'\]"),
+], ids=["dict", "str", "BK0", "BK48", "BV256", "BK-float", "no-BK", "BT", "misspelt"])
+def test_malformed_configs(ok, config, exc, match):
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_fwd_h(**ok, config=config)
+
+
+def test_backward_config_takes_no_narrow_v(device):
+    q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
+    cfg = triton.Config({"BK": 16, "BV": 16, "NARROW_V": True})
+    with pytest.raises(ValueError, match=r"config has keys \['NARROW_V'\] this kernel does not take; it takes BK, BV, "
+                                         r"USE_TMA"):
+        chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, config=cfg)
+
+
+@pytest.mark.skipif(not chunkstate.INTERPRET, reason="bf16 is refused only under Triton's interpreter")
+def test_bf16_refused_under_the_interpreter(ok):
+    """The interpreter computes bf16 wrongly (relative error ~1e10): refused, saying what to use."""
+    args = dict(ok, k=ok["k"].bfloat16(), v=ok["v"].bfloat16())
+    with pytest.raises(TypeError, match=r"k is bf16, which Triton's interpreter .* computes wrongly.*fp32 or fp16"):
+        chunkstate.chunk_fwd_h(**args)
+    q = ok["k"].bfloat16()
+    with pytest.raises(TypeError, match=r"q is bf16, which Triton's interpreter"):
+        chunkstate.chunk_bwd_dh(q, q, args["v"], args["v"], None, None, 0.25, chunk_size=16)
