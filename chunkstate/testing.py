@@ -1,4 +1,9 @@
-"""Checks used by the tests, the notebooks and the exercises: they raise, never only print."""
+"""Checks used by the tests, the notebooks and the exercises: they raise, never only print.
+
+Also the introspection of Triton's autotuners and compiled kernels (``find_autotuners``,
+``find_jit_functions``, ``n_compiled``): ``fla_one_config`` needs it, and so does the benchmark's
+runner, which imports it from here (imports flow towards the benchmark, never out of it).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -62,6 +67,50 @@ def one_config(configs: list) -> object:
     return next(c for c in staged if abs(c.num_warps - 4) == nearest)
 
 
+def _unwrap(obj, cls):
+    """Follow ``.fn`` (triton.heuristics / autotune wrappers) until an instance of ``cls``."""
+    for _ in range(6):
+        if isinstance(obj, cls):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _find(modules, cls) -> list:
+    """Every distinct instance of ``cls`` reachable from the modules' globals (through wrappers)."""
+    found = {}
+    for module in modules:
+        for obj in vars(module).values():
+            x = _unwrap(obj, cls)
+            if x is not None:
+                found[id(x)] = x
+    return list(found.values())
+
+
+def find_autotuners(*modules) -> list:
+    """Every ``triton.runtime.Autotuner`` of the modules (under any ``triton.heuristics`` wrapper)."""
+    from triton.runtime.autotuner import Autotuner
+
+    return _find(modules, Autotuner)
+
+
+def find_jit_functions(*modules) -> list:
+    """Every ``triton.JITFunction`` of the modules (the kernels under any autotune wrapper)."""
+    from triton.runtime.jit import JITFunction
+
+    return _find(modules, JITFunction)
+
+
+def n_compiled(jit_functions) -> int | None:
+    """Kernels compiled so far by these JIT functions (None where Triton keeps them elsewhere)."""
+    try:
+        return sum(len(cache[0]) for fn in jit_functions for cache in fn.device_caches.values())
+    except Exception:
+        return None
+
+
 @contextlib.contextmanager
 def fla_one_config():
     """Within the block, every autotuned fla-core kernel imported so far runs one config
@@ -75,8 +124,6 @@ def fla_one_config():
     nothing chosen inside is cached (a single config is never timed)."""
     import importlib
     import sys
-
-    from .bench import find_autotuners
 
     for name in ("fla.ops.common.chunk_h", "fla.ops.gla", "fla.ops.simple_gla"):
         try:

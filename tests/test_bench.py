@@ -1,22 +1,26 @@
 """The benchmark's pipeline on CPU (``chunkstate.bench``): byte counts against a hand count, the case
 grids, the derived numbers, the table, the JSON and the figure, the planner, the autotuner
-plumbing and the exit without a GPU. Nothing here times a kernel: timings are synthetic.
+plumbing, the exit without a GPU, and who may import the runner. Nothing here times a kernel:
+timings are synthetic.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import triton
 import triton.language as tl
 
 import chunkstate
-from chunkstate import bench
-from chunkstate.bench import Case, Shape
+from chunkstate import bench, pieces, testing, tuning
+from chunkstate.bench import Case, Shape, runner
+from chunkstate.bench import __main__ as cli
 from chunkstate.figures import speed
 
 ON_GPU = chunkstate.DEVICE == "cuda"
@@ -204,15 +208,31 @@ def test_pieces_as_an_h200_would_choose():
     # 132 SMs: B1 H4 (16 programs of 64x64 tiles) is cut to reach two waves; B8 H16 fills the GPU.
     assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 17
     assert bench.case_pieces(Case(B8, "fwd")) == 1
-    assert chunkstate.pieces.INTERPRET == chunkstate.INTERPRET  # the prediction restores the module
+    # a pure function: auto_pieces with this machine's SM count, an H200's without a GPU
+    assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64) == pieces.auto_pieces(
+        1, 4, 128, 128, 131072, 64, sms=tuning.sm_count())
+    if not ON_GPU:
+        assert tuning.sm_count() == tuning.H200_SMS
 
 
 def test_plan_needs_no_gpu(capsys):
-    assert bench.main(["--plan", "--quick"]) == 0
+    assert cli.main(["--plan", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "B8 T4096 H16 fwd g bf16" in out and "estimate" in out
-    assert bench.main(["--plan", "--sweep"]) == 0
+    assert cli.main(["--plan", "--sweep"]) == 0
     assert "configs" in capsys.readouterr().out
+    assert cli.main(["--plan", "--gla"]) == 0
+    assert "chunk_gla" in capsys.readouterr().out
+
+
+def test_output_goes_where_the_caller_runs_it(capsys):
+    """Outputs land under the current directory unless --out says otherwise, never beside the package."""
+    out = cli.parse_args([]).out
+    assert out == "figures" and not Path(out).is_absolute()
+    assert bench.output_paths(out, "gla")[0] == Path("figures") / "bench_h200_gla.json"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    assert "relative to the current directory" in " ".join(capsys.readouterr().out.split())
 
 
 # -- autotuner plumbing
@@ -229,15 +249,15 @@ def test_fla_like_autotuner_found_restricted_and_cleared():
     wrapped = triton.heuristics({"K": lambda args: 1})(at)  # fla's shape: heuristics(autotune(jit))
     module = types.ModuleType("fake_chunk_h")
     module.kernel, module.helper, module.number = wrapped, _toy_kernel, 3
-    assert bench.find_autotuners(module) == [at]
-    assert set(bench.restrict_configs(at)) == set(bench.FLA_CONFIGS) and len(at.configs) == 8
+    assert testing.find_autotuners(module) == [at]
+    assert set(runner.restrict_configs(at)) == set(bench.FLA_CONFIGS) and len(at.configs) == 8
     at.cache[(1,)] = at.configs[0]
     at.cache.clear()
     assert at.cache == {}
 
 
 def test_chunkstate_autotuners_found_and_cleared():
-    libs = bench.Libraries(fla_all_configs=False, with_fla=False)
+    libs = runner.Libraries(fla_all_configs=False, with_fla=False)
     from chunkstate import forward
 
     assert forward._tuned_forward in libs.ours_autotuners
@@ -251,7 +271,7 @@ def test_chunkstate_autotuners_found_and_cleared():
 
 def test_progress_counter_and_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails: a counter on stderr
-    p = bench.Progress(2, "t")
+    p = runner.Progress(2, "t")
     p.start("case a")
     p.finish("case a done")
     p.close()
@@ -277,7 +297,7 @@ def test_progress_counter_and_tqdm(monkeypatch, capsys):
             calls.append(("close",))
 
     monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeBar))
-    p = bench.Progress(1, "t")
+    p = runner.Progress(1, "t")
     p.start("b")
     p.finish("b done")
     p.close()
@@ -288,7 +308,7 @@ def test_progress_counter_and_tqdm(monkeypatch, capsys):
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message printed where there is no GPU")
 def test_without_gpu_exits_with_a_message(capsys):
-    assert bench.main([]) == 2
+    assert cli.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -306,7 +326,7 @@ def test_module_entry_point_without_gpu():
 TINY = (Shape(1, 200, 2, 32, lens=(0, 1, 63, 136)), Shape(2, 100, 2, 32))
 
 
-class _TwinLibraries(bench.Libraries):
+class _TwinLibraries(runner.Libraries):
     """chunkstate in both seats (same API as fla's): the comparison plumbing without fla."""
 
     def __init__(self, fla_all_configs, with_fla=True):
@@ -322,18 +342,18 @@ def cpu_run(monkeypatch):
 
     import torch
 
-    monkeypatch.setattr(bench, "Inputs", functools.partial(bench.Inputs, device="cpu", dtype=torch.float32))
-    monkeypatch.setattr(bench, "do_bench", lambda fn: (fn(), {"ms": 1.0, "p20": 0.9, "p80": 1.1})[1])
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: {"bytes": 1 << 30, "ms": 0.5, "tbps": 4.0})
-    monkeypatch.setattr(bench, "Libraries", _TwinLibraries)
+    monkeypatch.setattr(runner, "Inputs", functools.partial(runner.Inputs, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(runner, "do_bench", lambda fn: (fn(), {"ms": 1.0, "p20": 0.9, "p80": 1.1})[1])
+    monkeypatch.setattr(runner, "copy_bandwidth", lambda: {"bytes": 1 << 30, "ms": 0.5, "tbps": 4.0})
+    monkeypatch.setattr(runner, "Libraries", _TwinLibraries)
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_run_case_plumbing(cpu_run):
-    libs = bench.Libraries(False)
-    inp = bench.Inputs(TINY[0])
+    libs = runner.Libraries(False)
+    inp = runner.Inputs(TINY[0])
     for case in (Case(TINY[0], "fwd"), Case(TINY[0], "bwd", gate="gk"), Case(TINY[0], "bwd", split=128)):
-        r = bench.run_case(case, inp, libs, 4.0)
+        r = runner.run_case(case, inp, libs, 4.0)
         assert r["ours"]["ms"] == r["fla"]["ms"] == 1.0 and r["ours"]["first_call_s"] > 0
         assert r["agree_rel_err"] == 0.0  # the same kernel in both seats
         assert r["fla"]["valid"] == case.fla_valid
@@ -347,8 +367,8 @@ def test_run_case_plumbing(cpu_run):
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     cases = [Case(s, d) for s in TINY for d in ("fwd", "bwd")] + [Case(TINY[1], "bwd", split=128)]
-    args = bench.parse_args(["--out", str(tmp_path)])
-    report = bench.run_cases(cases, args, "quick", {"fresh": True, "dir": "x"})
+    args = cli.parse_args(["--out", str(tmp_path)])
+    report = runner.run_cases(cases, args, "quick", {"fresh": True, "dir": "x"})
     out = capsys.readouterr().out
     assert "fla wrong" in out and "varlen N4 T200 H2 D32" in out and "4.000 TB/s" in out
     back = json.loads((tmp_path / "bench_h200_quick.json").read_text())
@@ -361,19 +381,17 @@ def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_budget_skips_shapes(cpu_run, tmp_path):
-    args = bench.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
-    report = bench.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})
+    args = cli.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
+    report = runner.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})
     assert report["cases"][0]["skipped"].startswith("budget") and report["cases"][0]["ours"] is None
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the sweep under Triton's interpreter with fake timings")
 def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
-    from chunkstate import tuning
-
     two = [tuning.INTERPRETER_CONFIG, tuning._config(32, 32, 4, 1)]
     monkeypatch.setattr(tuning, "ALL_CONFIGS", two)
-    args = bench.parse_args(["--sweep", "--out", str(tmp_path)])
-    report = bench.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
+    args = cli.parse_args(["--sweep", "--out", str(tmp_path)])
+    report = runner.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
     back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())
     assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
     for s in back["sweep"]:
@@ -391,15 +409,93 @@ def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
         calls.append(extra)
         return {"first_call_s": 1.0, "compiled": 0, "ms": 2.0 if extra else 1.0}, None
 
-    monkeypatch.setattr(bench, "_timed", fake_timed)
-    libs = types.SimpleNamespace(ours=types.SimpleNamespace(chunk_bwd_dh=object()), ours_jit=[], fla=None)
+    monkeypatch.setattr(runner, "_timed", fake_timed)
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     case = Case(Shape(1, 131072, 4), "fwd")
     assert bench.case_pieces(case) == 17
-    r = bench.run_case(case, None, libs, copy_tbps=4.0)
+    r = runner.run_case(case, None, libs, copy_tbps=4.0)
     assert calls == [{}, {"pieces": 1}]
     assert r["ours_one_pass"]["x_floor"] == pytest.approx(2 * r["ours"]["x_floor"])
     assert "17 (2.000)" in bench.format_table([r])
 
     calls.clear()
-    r = bench.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
+    r = runner.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
     assert calls == [{}] and "ours_one_pass" not in r  # one pass already: nothing more to time
+
+
+# -- who imports the runner
+
+PACKAGE = Path(chunkstate.__file__).parent
+
+
+def _imports(source: str, package: str) -> set[str]:
+    """Absolute names of the modules ``source`` (a module of ``package``) imports, relative imports
+    resolved; ``from X import a`` gives both ``X`` and ``X.a`` (``a`` may be a submodule)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                module = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def _imports_runner(names: set[str]) -> bool:
+    return any(n == "chunkstate.bench.runner" or n.startswith("chunkstate.bench.runner.") for n in names)
+
+
+def test_the_import_check_sees_every_spelling():
+    assert _imports_runner(_imports("from ..bench import runner", "chunkstate.figures"))
+    assert _imports_runner(_imports("from .bench.runner import Inputs", "chunkstate"))
+    assert _imports_runner(_imports("import chunkstate.bench.runner as r", "chunkstate"))
+    assert _imports_runner(_imports("def f():\n    from chunkstate.bench import runner", "chunkstate.x"))
+    assert not _imports_runner(_imports("from ..bench.model import Case", "chunkstate.exercises"))
+
+
+def test_only_the_benchmark_imports_the_runner():
+    """The exercises, figures, tests helpers and the rest of the package read the model; the GPU
+    side (``chunkstate.bench.runner``) is imported by the benchmark's command line and ``--gla`` only."""
+    allowed = {PACKAGE / "bench" / "__main__.py", PACKAGE / "bench" / "gla.py", PACKAGE / "bench" / "runner.py"}
+    checked = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in allowed:
+            continue
+        package = ".".join(path.relative_to(PACKAGE.parent).parts[:-1])
+        names = _imports(path.read_text(), package)
+        assert not _imports_runner(names), f"{path.relative_to(PACKAGE.parent)} imports chunkstate.bench.runner"
+        checked.append(path.relative_to(PACKAGE).as_posix())
+    assert {"bench/__init__.py", "bench/model.py", "bench/report.py", "testing.py",
+            "exercises/ch11_speed.py", "figures/roofline.py"} <= set(checked)
+    model = _imports((PACKAGE / "bench" / "model.py").read_text(), "chunkstate.bench")
+    assert not any(n.startswith("triton") for n in model)  # the model times nothing
+
+
+# -- chunk_gla against fla (--gla)
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message a machine without a GPU gets")
+def test_gla_timing_says_it_needs_a_gpu(capsys):
+    from chunkstate.bench import gla
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        gla.time_chunk_gla(B=1, T=64, H=1, K=16, V=16)
+    assert cli.main(["--gla"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gla_table():
+    from chunkstate.bench import gla
+
+    text = gla.format_gla({"chunkstate": {"fwd": 11.4, "fwd first s": 3.0, "fwd+bwd": 42.0},
+                           "fla": {"fwd": 1.14, "fwd+bwd": "fla raised: no"}})
+    lines = text.splitlines()
+    assert "11.400" in lines[1] and "42.000" in lines[1]
+    assert "1.140" in lines[2] and lines[2].rstrip().endswith("-")
+    assert "0.10" in lines[3] and "fla faster" in lines[3]
+    assert "fla not importable" in gla.format_gla({"chunkstate": {"fwd": 1.0, "fwd+bwd": 2.0},
+                                                   "fla": "fla not importable (x)"})

@@ -24,7 +24,7 @@
 """
 from __future__ import annotations
 
-from ..bench import Case, Shape, unique_bytes
+from ..bench.model import Case, Shape, unique_bytes
 from ..pieces import plan
 
 BYTES_CASES = [  # (B, T, H, D, gate, state_bytes, split_size, lens)

@@ -40,7 +40,7 @@ def flops(case) -> int:
 
 def total_bytes(case) -> int:
     """Unique bytes of one call: the sum of :func:`chunkstate.bench.unique_bytes` (no h0 / ht)."""
-    from ..bench import unique_bytes
+    from ..bench.model import unique_bytes
 
     return sum(unique_bytes(case).values())
 
@@ -78,7 +78,7 @@ def sweep_rows(sweep: dict) -> list[dict]:
     ``best_config`` (BK, BV, warps, stages), ``programs`` (launched by that config), ``fla_ms``,
     ``x_floor`` / ``fla_x_floor`` (time / floor), ``flops``, ``bytes``, ``intensity``.
     """
-    from ..bench import BT, Case, Shape
+    from ..bench.model import BT, Case, Shape
 
     rows = []
     for r in sweep["rows"]:

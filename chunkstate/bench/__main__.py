@@ -1,0 +1,127 @@
+"""python -m chunkstate.bench: time chunkstate against fla-core 0.6.0 and the copy roof on a CUDA GPU.
+
+Modes:
+  default   every shape × {fwd, bwd} with gate g, bf16 states, split None; plus, for three shapes
+            (B8 T4096 H16, B1 T65536 H32, B1 T65536 H8), gate gk, fp32 states and split 256, each
+            varied alone (40 cases).
+  --quick   four cases (two shapes × fwd, bwd).
+  --full    every shape × {fwd, bwd} × {g, gk} × {bf16, fp32} × {None, 256} (176 cases).
+  --sweep   every config of tuning.ALL_CONFIGS (through config=, with pieces=1) on a few shapes,
+            fwd and bwd: the timings tuning.candidates is chosen from.
+  --gla     chunkstate.chunk_gla against fla's chunk_gla, forward and forward + backward.
+  --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
+
+Per case: the median of triton.testing.do_bench(warmup=10, rep=50) for chunkstate and fla, the
+pieces chunkstate chose, the first call's wall time (compile + autotune; a fresh TRITON_CACHE_DIR
+unless --keep-cache, so the first case of each specialization pays its compiles: marked *), and
+how far ours is from fla's result. fla's 48 configs cost ~40 s of compiles per specialization, so
+its list is cut to 8 H200 winners (--fla-all-configs keeps all 48); fla's GQA is never used.
+Outputs: a table on stdout and, in --out (default: figures/ under the current directory),
+bench_h200[_quick|_full|_sweep|_gla].json (rewritten after every case, so an interrupted run keeps
+what it measured) and a .png beside it (chunkstate.figures.speed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import triton
+
+from ..env import INTERPRET
+from .model import FLA_CONFIGS, SHAPES, SWEEP_SHAPES, estimate, format_plan, make_cases, select_shapes, sweep_estimate
+
+
+def parse_args(argv=None):
+    first, rest = __doc__.split("\n\n", 1)
+    p = argparse.ArgumentParser(prog="python -m chunkstate.bench", description=first.split(": ", 1)[1],
+                                epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a handful of cases")
+    mode.add_argument("--full", action="store_true", help="every shape × direction × gate × states × split")
+    mode.add_argument("--sweep", action="store_true", help="time every config of tuning.ALL_CONFIGS")
+    mode.add_argument("--gla", action="store_true", help="time chunk_gla against fla's chunk_gla")
+    p.add_argument("--plan", action="store_true", help="print the cases and a time estimate; no GPU needed")
+    p.add_argument("--out", default="figures",
+                   help="folder for the JSON and PNG (default: figures, relative to the current directory)")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="keep Triton's cache dir (first-call times then miss compiles cached before)")
+    p.add_argument("--fla-all-configs", action="store_true", help="let fla tune its full 48-config list")
+    p.add_argument("--shapes", nargs="+", metavar="LABEL",
+                   help="only shapes whose label contains one of these, e.g. 'B8 T4096 H16' varlen")
+    p.add_argument("--budget", type=float, metavar="S", help="start no new shape after S seconds")
+    return p.parse_args(argv)
+
+
+def _fresh_triton_cache(keep: bool) -> tuple[dict, str | None]:
+    """Point Triton at a new, empty cache dir (unless ``keep``), so first calls pay (and show) every
+    compile. Triton reads TRITON_CACHE_DIR when it compiles (triton.knobs reads the environment
+    lazily), and nothing has compiled yet: importing chunkstate only decorates kernels; fla is
+    imported after this. Returns what the report records, and the dir to remove afterwards."""
+    if keep:
+        return {"fresh": False, "dir": os.environ.get("TRITON_CACHE_DIR")}, None
+    tmp = tempfile.mkdtemp(prefix="chunkstate-bench-triton-")
+    os.environ["TRITON_CACHE_DIR"] = tmp
+    knobs = getattr(triton, "knobs", None)
+    seen = getattr(getattr(knobs, "cache", None), "dir", tmp)
+    if seen != tmp:
+        print(f"warning: Triton's cache dir is {seen}, not the fresh {tmp}: first-call times may "
+              "miss compiles", file=sys.stderr)
+    return {"fresh": seen == tmp, "dir": tmp}, tmp
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    mode = ("quick" if args.quick else "full" if args.full else "sweep" if args.sweep else
+            "gla" if args.gla else "default")
+    if mode == "gla":
+        if args.plan:
+            from .gla import GLA_CASE
+
+            print(f"chunk_gla and fla's chunk_gla, bf16, {GLA_CASE}: forward and forward + backward, "
+                  "one first call and one do_bench each")
+            return 0
+    elif mode == "sweep":
+        shapes = select_shapes(SHAPES if args.shapes else SWEEP_SHAPES, args.shapes)
+        if args.plan:
+            print("\n".join(s.label for s in shapes))
+            print(f"estimate: {sweep_estimate(shapes)}")
+            return 0
+    else:
+        cases = make_cases(mode, args.shapes)
+        if args.plan:
+            print(format_plan(cases, estimate(cases, 48 if args.fla_all_configs else len(FLA_CONFIGS))))
+            return 0
+    if INTERPRET or not torch.cuda.is_available():
+        why = ("TRITON_INTERPRET=1 is set" if INTERPRET and torch.cuda.is_available() else
+               f"no CUDA device is visible (torch {torch.__version__}, CUDA {torch.version.cuda})")
+        print(f"chunkstate.bench needs a CUDA GPU and compiled Triton: {why}. Nothing was timed.\n"
+              "On a CPU, `python -m chunkstate.bench --plan` lists the cases and estimates the GPU time, "
+              "and tests/test_bench.py checks the byte counts, table, JSON and figure.", file=sys.stderr)
+        return 2
+    if (mode == "sweep" and not shapes) or (mode not in ("sweep", "gla") and not cases):
+        print(f"no shape matches --shapes {args.shapes}; shapes: {[s.label for s in SHAPES]}", file=sys.stderr)
+        return 2
+    from . import runner
+
+    cache, tmp = _fresh_triton_cache(args.keep_cache)
+    try:
+        if mode == "gla":
+            from .gla import run_gla
+
+            run_gla(args, cache)
+        elif mode == "sweep":
+            runner.run_sweep(shapes, args, cache)
+        else:
+            runner.run_cases(cases, args, mode, cache)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

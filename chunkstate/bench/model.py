@@ -1,0 +1,310 @@
+"""The benchmark's model, pure: no GPU, no timing. What the exercises, the figures and ``--plan`` use.
+
+- the cases: ``Shape`` (B × T tokens, H heads, K = V = D, or a packed batch), ``Case`` (a shape, a
+  direction, a gate, the states' dtype, a split size), the shape lists and ``make_cases``;
+- the bytes: ``unique_bytes`` (every tensor a kernel must touch once), and from a case's raw
+  timings the derived numbers (``new_result``, ``derive``: floor, TB/s, ×floor, fla / ours);
+- the pieces the wrapper would choose on an H200 (``predicted_pieces``, a pure function);
+- the estimator behind ``--plan``: the kernel launches of a first call and the configs each tries
+  (``ours_launches``), and what a run costs in compiles, autotune timings and seconds
+  (``estimate``, ``sweep_estimate``, ``format_plan``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import pieces, tuning
+
+BT = 64  # chunk size of every case
+STATE_BYTES = {"bf16": 2, "fp32": 4}
+IN_BYTES = 2  # bf16 inputs
+GATE_BYTES = 4  # fp32 gates
+# fla's autotune space cut to 8 configs (BK, BV, num_warps, num_stages): winners on an H200.
+# The runner restricts fla's autotuners to these; the estimator counts them.
+FLA_CONFIGS = [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 2, 3), (64, 64, 4, 2),
+               (32, 32, 4, 4), (32, 32, 8, 4), (64, 32, 8, 4), (32, 64, 8, 3)]
+COPY_TBPS_GUESS = 4.26  # an H200's measured copy bandwidth: only for --plan's floors
+
+
+# ---------------------------------------------------------------- shapes and cases
+
+@dataclass(frozen=True)
+class Shape:
+    """A problem size: B × T tokens, H heads, K = V = D; ``lens``: a packed batch (B = 1, T = Σ lens)."""
+    B: int
+    T: int
+    H: int
+    D: int = 128
+    lens: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.lens is not None and (self.B != 1 or sum(self.lens) != self.T):
+            raise ValueError(f"a packed shape needs B = 1 and T = sum(lens), got B={self.B} T={self.T}")
+
+    @property
+    def N(self) -> int:
+        return len(self.lens) if self.lens else self.B
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.lens) if self.lens else [self.T] * self.B
+
+    @property
+    def label(self) -> str:
+        s = f"varlen N{self.N} T{self.T} H{self.H}" if self.lens else f"B{self.B} T{self.T} H{self.H}"
+        return s if self.D == 128 else f"{s} D{self.D}"
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: Shape
+    direction: str  # "fwd" | "bwd"
+    gate: str = "g"  # "g" [B, T, H] | "gk" [B, T, H, K]
+    states: str = "bf16"  # dtype of h / dh: "bf16" | "fp32"
+    split: int | None = None  # split_size (None: BT)
+
+    @property
+    def BS(self) -> int:
+        return BT if self.split is None else self.split
+
+    @property
+    def fla_valid(self) -> bool:
+        """False where fla-core 0.6.0's result is known wrong: its backward with split > chunk."""
+        return not (self.direction == "bwd" and self.BS > BT)
+
+    @property
+    def label(self) -> str:
+        split = f" split {self.split}" if self.split else ""
+        return f"{self.shape.label} {self.direction} {self.gate} {self.states}{split}"
+
+
+VARLEN_LENS = (8192, 6000, 5000, 4096, 3500, 3000, 2000, 980)  # Σ = 32768, ragged chunk edges
+OWN_SHAPES = (Shape(8, 4096, 16), Shape(1, 65536, 32), Shape(1, 65536, 8), Shape(1, 131072, 4),
+              Shape(1, sum(VARLEN_LENS), 16, lens=VARLEN_LENS))
+FLA_SHAPES = (Shape(1, 8192, 96), Shape(2, 16384, 16), Shape(4, 2048, 16), Shape(4, 4096, 64),
+              Shape(8, 2048, 32, 256), Shape(8, 1024, 8, 64))  # fla's own benchmark shapes
+SHAPES = OWN_SHAPES + FLA_SHAPES
+VARIANT_SHAPES = OWN_SHAPES[:3]
+QUICK_SHAPES = (OWN_SHAPES[0], OWN_SHAPES[2])
+SWEEP_SHAPES = (OWN_SHAPES[2], OWN_SHAPES[1], OWN_SHAPES[0], FLA_SHAPES[3])  # N·H in occupancy buckets 0, 1, 2, 3
+
+
+def select_shapes(shapes, wanted: list[str] | None):
+    """The shapes whose label contains one of the ``wanted`` substrings (all when None)."""
+    if not wanted:
+        return tuple(shapes)
+    return tuple(s for s in shapes if any(w in s.label for w in wanted))
+
+
+def make_cases(mode: str = "default", wanted: list[str] | None = None) -> list[Case]:
+    """The cases of a mode ("default", "quick", "full"), shape by shape; ``wanted`` filters shapes
+    by label substring (from all shapes)."""
+    dirs = ("fwd", "bwd")
+    if mode == "quick":
+        return [Case(s, d) for s in select_shapes(QUICK_SHAPES if not wanted else SHAPES, wanted) for d in dirs]
+    shapes = select_shapes(SHAPES, wanted)
+    if mode == "full":
+        return [Case(s, d, g, st, sp) for s in shapes
+                for d, g, st, sp in itertools.product(dirs, ("g", "gk"), ("bf16", "fp32"), (None, 256))]
+    if mode != "default":
+        raise ValueError(f"mode must be 'default', 'quick' or 'full', got {mode!r}")
+    cases = []
+    for s in shapes:
+        cases += [Case(s, d) for d in dirs]
+        if s in VARIANT_SHAPES:
+            cases += [Case(s, d, gate="gk") for d in dirs]
+            cases += [Case(s, d, states="fp32") for d in dirs]
+            cases += [Case(s, d, split=256) for d in dirs]
+    return cases
+
+
+# ---------------------------------------------------------------- bytes, floors, derived numbers
+
+def n_splits(shape: Shape, BS: int) -> int:
+    """State slots stored: ``Σ_n ceil(L_n / BS)`` (dense: B · ceil(T / BS))."""
+    return sum(-(-L // BS) for L in shape.lengths)
+
+
+def unique_bytes(case: Case, h0: bool = False, final: bool = False) -> dict[str, int]:
+    """Bytes a kernel must move at least once, per tensor.
+
+    Forward: reads k [B,T,H,K], v [B,T,H,V] (bf16), the gate (fp32: g [B,T,H] or gk [B,T,H,K]),
+    h0 [N,H,K,V] (fp32) if ``h0``; writes h [NS,H,K,V] (the states' dtype) and ht [N,H,K,V] (fp32)
+    if ``final``. Backward: reads q, do (bf16), the gate, dht (fp32) if ``final``; writes dh and
+    dh0 (fp32) if ``h0``. The backward never reads k or v. NS = ``n_splits``; K = V = D.
+    """
+    s = case.shape
+    K = V = s.D
+    tokens = s.B * s.T * s.H
+    gate = tokens * GATE_BYTES * (K if case.gate == "gk" else 1)
+    states = n_splits(s, case.BS) * s.H * K * V * STATE_BYTES[case.states]
+    one_state = s.N * s.H * K * V * 4
+    if case.direction == "fwd":
+        parts = {"k": tokens * K * IN_BYTES, "v": tokens * V * IN_BYTES, case.gate: gate}
+        if h0:
+            parts["h0"] = one_state
+        parts["h"] = states
+        if final:
+            parts["ht"] = one_state
+    else:
+        parts = {"q": tokens * K * IN_BYTES, "do": tokens * V * IN_BYTES, case.gate: gate}
+        if final:
+            parts["dht"] = one_state
+        parts["dh"] = states
+        if h0:
+            parts["dh0"] = one_state
+    return parts
+
+
+def _finite_or_none(x):
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def derive(result: dict, copy_tbps: float) -> dict:
+    """Fill a case's derived numbers from its raw timings: floor_ms, and per library
+    tbps (= total bytes / ms), x_floor (= ms / floor_ms); fla_over_ours where fla's result is right."""
+    total = result["total_bytes"]
+    result["floor_ms"] = total / (copy_tbps * 1e12) * 1e3
+    for who in ("ours", "ours_one_pass", "fla"):
+        entry = result.get(who)
+        if not entry:
+            continue
+        ms = _finite_or_none(entry.get("ms"))
+        entry["ms"] = ms
+        entry["tbps"] = total / (ms * 1e-3) / 1e12 if ms else None
+        entry["x_floor"] = ms / result["floor_ms"] if ms else None
+    ours, fla = result.get("ours") or {}, result.get("fla") or {}
+    ok = fla.get("valid", False) and ours.get("ms") and fla.get("ms")
+    result["fla_over_ours"] = fla["ms"] / ours["ms"] if ok else None
+    return result
+
+
+def new_result(case: Case, n_pieces: int) -> dict:
+    """The JSON record of one case before timing (``n_pieces``: what chunkstate's wrapper cuts it into)."""
+    s = case.shape
+    parts = unique_bytes(case)
+    return {"case": case.label, "shape": s.label, "B": s.B, "T": s.T, "H": s.H, "K": s.D, "V": s.D,
+            "lens": list(s.lens) if s.lens else None, "direction": case.direction, "gate": case.gate,
+            "states": case.states, "split": case.split, "BT": BT, "bytes": parts,
+            "total_bytes": sum(parts.values()), "pieces": n_pieces, "ours": None, "fla": None}
+
+
+def geomean(xs) -> float | None:
+    """The geometric mean of the truthy ``xs`` (None where there are none)."""
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+# ---------------------------------------------------------------- what a first call launches
+
+def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
+    """``pieces.auto_pieces`` as the wrapper calls it on this machine's GPU (``tuning.sm_count()``),
+    and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments."""
+    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count())
+
+
+def case_pieces(case: Case) -> int:
+    """The pieces chunkstate's wrapper chooses for ``case`` (``predicted_pieces``)."""
+    s = case.shape
+    return predicted_pieces(s.N, s.H, s.D, s.D, max(s.lengths), case.BS)
+
+
+def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
+    """The configs (``tuning.config_tuple``) chunkstate's autotuner tries for one key of the
+    benchmark's bf16 inputs: TMA configs too where this machine's GPU has a TMA, none without a GPU.
+    Asks the device only for its compute capability."""
+    tma = (torch.cuda.is_available() and tuning.tma_device("cuda")
+           and tuning.tma_rows(K, IN_BYTES) and tuning.tma_rows(V, IN_BYTES))
+    args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": int(tma), "USE_GK": gate == "gk"}
+    return [tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args)]
+
+
+def ours_launches(case: Case) -> list[tuple[tuple, list]]:
+    """The kernel launches of chunkstate's first call of ``case``: (what its compile depends on,
+    the configs its autotuner tries; ``[None]``: launched untuned). A case cut into pieces
+    launches the kernel twice (pieces from zero, then pieces storing their states) and the scan
+    between them (``chunkstate.pieces``), in either direction."""
+    s = case.shape
+    K = V = s.D
+    P = case_pieces(case)
+    sequences = s.N if P == 1 else len(pieces.plan(s.lengths, case.BS, P)[0]) - 1  # or pieces
+    bucket = tuning.occupancy_bucket(sequences * s.H)
+    # the forward's NARROW_V is a constexpr chosen by the bucket (scalar gate g only)
+    narrow = case.direction == "fwd" and case.gate == "g" and tuning.narrow_v(bucket)
+    base = (case.direction, case.gate, case.BS, K, V, narrow)
+    configs = tried_configs(K, V, bucket, case.gate)
+    if P == 1:
+        return [((*base, case.states, s.lens is not None, "states"), configs)]
+    return [((*base, "pieces: final states and decays"), configs),
+            (("pieces: scan", case.direction, K, V), [None]),
+            ((*base, case.states, "pieces: states"), configs)]
+
+
+def fla_key(case: Case) -> tuple:
+    """What one fla-core compile depends on (its autotune key holds no B, T, H)."""
+    return ("fla", case.direction, case.gate, case.states, case.BS, case.shape.D, case.shape.lens is not None)
+
+
+# ---------------------------------------------------------------- the estimate behind --plan
+
+# Per-item costs on an H200 (a first call tuning 48 configs took 34-49 s, 12 configs ~7 s:
+# 0.6-1.0 s per config compiled and benchmarked).
+COMPILE_S = 0.7  # one (specialization, config) compile
+TUNE_S = 0.2  # the autotuner's do_bench of one candidate (25 ms warmup + 100 ms reps + L2 flushes)
+MEASURE_S = 0.15  # one do_bench(warmup=10, rep=50) plus the first call and the agreement check
+SHAPE_S = 1.0  # inputs and gates of one shape
+STARTUP_S = 20.0  # imports, the copy probe, fla's import
+
+
+def estimate(cases: list[Case], fla_configs: int | None = len(FLA_CONFIGS)) -> dict:
+    """Compiles, autotune benchmarks and measurements a run of ``cases`` costs, and the seconds
+    that makes with the per-item costs above (``fla_configs`` None: fla not run)."""
+    seen = set()
+    compiles = {"ours": 0, "fla": 0}
+    tunes = {"ours": 0, "fla": 0}
+    for case in cases:
+        for key, configs in ours_launches(case):
+            tunes["ours"] += len(configs) if len(configs) > 1 else 0
+            for c in configs:
+                if (key, c) not in seen:
+                    seen.add((key, c))
+                    compiles["ours"] += 1
+        if fla_configs:
+            tunes["fla"] += fla_configs
+            for c in range(fla_configs):
+                if (fla_key(case), c) not in seen:
+                    seen.add((fla_key(case), c))
+                    compiles["fla"] += 1
+    measures = len(cases) * (2 if fla_configs else 1)
+    shapes = len({c.shape for c in cases})
+    seconds = (STARTUP_S + COMPILE_S * sum(compiles.values()) + TUNE_S * sum(tunes.values())
+               + MEASURE_S * measures + SHAPE_S * shapes)
+    return {"cases": len(cases), "shapes": shapes, "compiles": compiles, "tune_benchmarks": tunes,
+            "measurements": measures, "seconds": seconds}
+
+
+def sweep_estimate(shapes) -> dict:
+    """The same for ``--sweep``: every config compiled per specialization (K = V = D, and the
+    forward's ``NARROW_V``), timed per shape and direction."""
+    n = len(tuning.ALL_CONFIGS)
+    fwd_keys = {(s.D, tuning.narrow_v(tuning.occupancy_bucket(s.N * s.H))) for s in shapes}
+    bwd_keys = {s.D for s in shapes}
+    compiles = n * (len(fwd_keys) + len(bwd_keys))
+    measures = 2 * n * len(shapes)
+    return {"configs": n, "compiles": compiles, "measurements": measures,
+            "seconds": STARTUP_S + COMPILE_S * compiles + MEASURE_S * measures + SHAPE_S * len(shapes)}
+
+
+def format_plan(cases: list[Case], est: dict) -> str:
+    """The cases with their unique bytes, floors at ``COPY_TBPS_GUESS`` and pieces, then ``est``."""
+    lines = [f"{'case':58s} {'MB':>8s} {'floor ms':>9s} {'pieces':>6s}"]
+    for c in cases:
+        total = sum(unique_bytes(c).values())
+        lines.append(f"{c.label:58s} {total / 1e6:8.1f} {total / (COPY_TBPS_GUESS * 1e9):9.3f} {case_pieces(c):6d}")
+    lines.append(f"(floors at {COPY_TBPS_GUESS} TB/s, an H200's copy bandwidth; the run measures its own)")
+    lines.append(f"estimate: {est}")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""The benchmark's report: the table and summary on stdout, one line per case while it runs, the
+JSON and the figure. Reads result records (``model.new_result`` filled by the runner); times nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .model import geomean
+
+COLUMNS = ("shape", "dir", "gate", "states", "split", "ours ms", "TB/s", "×floor", "fla ms", "fla/ours",
+           "pieces (1 pass ms)", "first s (ours/fla)")
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _first(entry):
+    if not entry or entry.get("first_call_s") is None:
+        return "-"
+    return f"{entry['first_call_s']:.1f}" + ("*" if entry.get("compiled") else "")
+
+
+def _pieces_cell(r: dict) -> str:
+    """The pieces chosen, and where there were several, the same call's time in one pass."""
+    one_pass = r.get("ours_one_pass") or {}
+    if not one_pass:
+        return str(r.get("pieces", "-"))
+    return f"{r['pieces']} ({'error' if one_pass.get('error') else _fmt(one_pass.get('ms'), '.3f')})"
+
+
+def table_rows(results: list[dict]) -> list[tuple[str, ...]]:
+    """One tuple of cells per result, in ``COLUMNS`` order."""
+    rows = []
+    for r in results:
+        ours, fla = r.get("ours") or {}, r.get("fla") or {}
+        if r.get("skipped"):
+            ratio, ours_ms = "skipped", "-"
+        else:
+            ours_ms = _fmt(ours.get("ms"), ".3f") if not ours.get("error") else "error"
+            if not fla:
+                ratio = "-"
+            elif fla.get("error"):
+                ratio = "fla error"
+            elif not fla.get("valid", True):
+                ratio = "fla wrong"
+            else:
+                ratio = _fmt(r.get("fla_over_ours"), ".2f")
+        rows.append((r["shape"], r["direction"], r["gate"], r["states"], str(r["split"] or "-"), ours_ms,
+                     _fmt(ours.get("tbps"), ".2f"), _fmt(ours.get("x_floor"), ".2f"), _fmt(fla.get("ms"), ".3f"),
+                     ratio, _pieces_cell(r), f"{_first(ours)}/{_first(fla)}"))
+    return rows
+
+
+def format_table(results: list[dict]) -> str:
+    """A fixed-width table, one row per case (``*`` after a first-call time: it compiled kernels)."""
+    rows = [COLUMNS] + table_rows(results)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_summary(report: dict) -> str:
+    """The copy bandwidth, per direction the geometric mean of fla / ours and chunkstate's ×floor
+    range, how fla was tuned, and the cases that raised."""
+    meta, results = report["meta"], report["cases"]
+    lines = []
+    copy = meta.get("copy") or {}
+    if copy.get("tbps"):
+        lines.append(f"copy bandwidth {copy['tbps']:.3f} TB/s (torch copy of {copy['bytes'] / 2**30:.0f} GiB, "
+                     "read + write bytes / median time)")
+    for d in ("fwd", "bwd"):
+        g = geomean(r.get("fla_over_ours") for r in results if r["direction"] == d)
+        xf = [r["ours"]["x_floor"] for r in results if r["direction"] == d and r.get("ours")
+              and r["ours"].get("x_floor")]
+        if g or xf:
+            lo, hi = _fmt(min(xf, default=None), ".2f"), _fmt(max(xf, default=None), ".2f")
+            lines.append(f"{d}: fla/ours geometric mean {_fmt(g, '.2f')} (>1: chunkstate faster); "
+                         f"chunkstate ×floor {lo}..{hi}")
+    fla = meta.get("fla") or {}
+    lines.append("fla-core: " + (fla.get("configs_note") or "") if fla.get("available") else
+                 f"fla-core not run: {fla.get('error', 'not importable')}")
+    errors = [r["case"] for r in results if (r.get("ours") or {}).get("error") or (r.get("fla") or {}).get("error")]
+    if errors:
+        lines.append(f"errors in {len(errors)} case(s): " + "; ".join(errors) + " (see the JSON)")
+    return "\n".join(lines)
+
+
+def format_sweep(report: dict) -> str:
+    """Per swept case, its fastest configs (``*``: among those the autotuner tries)."""
+    lines = []
+    for s in report["sweep"]:
+        lines.append(f"{s['case']} (occupancy bucket {s['occupancy_bucket']}; * = tried by the autotuner):")
+        for t in s["top"]:
+            lines.append(f"  BK={t['config'][0]:3d} BV={t['config'][1]:3d} warps={t['config'][2]} "
+                         f"stages={t['config'][3]}{' tma' if t['config'][4:5] == [True] else ''}"
+                         f"  {t['ms']:.4f} ms  {t['tbps']:.2f} TB/s {'*' if t['candidate'] else ''}")
+    return "\n".join(lines)
+
+
+def case_line(r: dict) -> str:
+    """One case's result on one line (the progress output while the run goes)."""
+    ours, fla = r.get("ours") or {}, r.get("fla") or {}
+    parts = [r["case"] + ":"]
+    parts.append(f"ours {ours['error']}" if ours.get("error") else
+                 f"ours {_fmt(ours.get('ms'), '.3f')} ms ({_fmt(ours.get('x_floor'), '.2f')}× floor, "
+                 f"first {_first(ours)} s)")
+    if fla:
+        parts.append(f"fla {fla['error']}" if fla.get("error") else
+                     f"fla {_fmt(fla.get('ms'), '.3f')} ms (first {_first(fla)} s)"
+                     + ("" if fla.get("valid", True) else " [fla wrong]"))
+    if r.get("agree_rel_err") is not None:
+        parts.append(f"rel diff {r['agree_rel_err']:.1e}")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------- files
+
+def output_paths(out_dir, mode: str) -> tuple[Path, Path]:
+    """The JSON and PNG a run of ``mode`` writes into ``out_dir``: ``bench_h200[_mode].json`` / ``.png``."""
+    stem = "bench_h200" if mode == "default" else f"bench_h200_{mode}"
+    return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.png"
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_json(report: dict, path) -> Path:
+    """Write ``report`` as JSON (non-finite numbers as null), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_json_safe(report), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def write_png(report: dict, path) -> Path:
+    """Draw ``report`` (``chunkstate.figures.speed``) into ``path``, a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ..figures import speed
+
+    return speed.save_png(report, path)

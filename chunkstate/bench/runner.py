@@ -1,0 +1,390 @@
+"""The benchmark's GPU side: inputs, timings, fla-core's handling, the run loops.
+
+Per case: a first call, synchronised and timed on the wall clock (compiles and autotuning
+included; ``compiled`` counts the kernels it compiled), then the median of
+``triton.testing.do_bench(warmup=10, rep=50)``, for chunkstate and for fla, and how far ours is from
+fla's result. Every shape is autotuned afresh for both: the autotuners' caches are cleared before
+each shape (fla's key holds no B, T, H, so otherwise the first shape's winner would serve all).
+fla's list is cut to the 8 configs of ``model.FLA_CONFIGS`` unless asked for all 48.
+
+Only the benchmark imports this module: the exercises, figures and notebooks read ``model``.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import itertools
+import os
+import platform
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import triton
+
+from .. import tuning
+from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
+from .model import BT, FLA_CONFIGS, Case, Shape, case_pieces, derive, new_result, tried_configs, unique_bytes
+from .report import case_line, format_summary, format_sweep, format_table, output_paths, write_json, write_png
+
+WARMUP_MS, REP_MS = 10, 50  # do_bench per measurement
+COPY_BYTES = 1 << 30  # the copy-bandwidth probe copies 1 GiB (2 GiB moved)
+
+
+# ---------------------------------------------------------------- measuring
+
+def do_bench(fn) -> dict:
+    """Median, 20th and 80th percentile milliseconds of ``fn`` (``triton.testing.do_bench``)."""
+    q = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, quantiles=(0.5, 0.2, 0.8))
+    return {"ms": q[0], "p20": q[1], "p80": q[2]}
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES) -> dict:
+    """Read + write bytes / median time of a torch copy of ``nbytes``."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    t = do_bench(lambda: dst.copy_(src))
+    src = dst = None  # give the 2 GiB back before the cases run
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "ms": t["ms"], "tbps": 2 * nbytes / (t["ms"] * 1e-3) / 1e12}
+
+
+class Inputs:
+    """One shape's tensors: x1, x2 are k, v (forward) and q, do (backward); gates made on demand."""
+
+    def __init__(self, shape: Shape, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+        from ..gates import chunk_local_cumsum
+
+        self._cumsum = chunk_local_cumsum
+        B, T, H, D = shape.B, shape.T, shape.H, shape.D
+        self.shape, self.device = shape, device
+        self.x1 = (torch.randn(B, T, H, D, device=device) * D ** -0.5).to(dtype)
+        self.x2 = torch.randn(B, T, H, D, device=device).to(dtype)
+        self.cu = None
+        if shape.lens:
+            self.cu = torch.tensor([0, *itertools.accumulate(shape.lens)], dtype=torch.int32, device=device)
+        self._gates = {}
+
+    def gate(self, name: str) -> torch.Tensor:
+        """Chunk-local cumsums (log2, fp32) of natural-log gates logsigmoid(N(0, 1)): g or gk."""
+        if name not in self._gates:
+            s = self.shape
+            size = (s.B, s.T, s.H) if name == "g" else (s.B, s.T, s.H, s.D)
+            nat = torch.nn.functional.logsigmoid(torch.randn(size, device=self.device))
+            self._gates[name] = self._cumsum(nat, BT, self.cu)
+        return self._gates[name]
+
+
+def call(lib, case: Case, inp: Inputs, **extra):
+    """A no-argument function running ``case`` through ``lib`` (a module with chunk_fwd_h and
+    chunk_bwd_dh), returning h / dh. The backward gets q as k and do as v: it reads their shapes only.
+    ``extra``: more keyword arguments for the call (``pieces=1``, ``config=``)."""
+    kw = {case.gate: inp.gate(case.gate), "cu_seqlens": inp.cu, "chunk_size": BT, "split_size": case.split,
+          "states_in_fp32": case.states == "fp32", **extra}
+    if case.direction == "fwd":
+        return lambda: lib.chunk_fwd_h(inp.x1, inp.x2, **kw)[0]
+    scale = case.shape.D ** -0.5
+    return lambda: lib.chunk_bwd_dh(inp.x1, inp.x1, inp.x2, inp.x2, h0=None, dht=None, scale=scale, **kw)[0]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def first_call(fn, jit_functions):
+    """Run ``fn`` once, synchronised: (output, wall seconds, kernels compiled during it)."""
+    before = n_compiled(jit_functions)
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    seconds = time.perf_counter() - t0
+    after = n_compiled(jit_functions)
+    return out, seconds, (after - before if before is not None and after is not None else None)
+
+
+def agreement(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖ours − ref‖ / ‖ref‖ on an evenly strided sample of at most 2^22 elements."""
+    step = max(1, ours.numel() >> 22)
+    return rel_err(ours.reshape(-1)[::step], ref.reshape(-1)[::step])
+
+
+# ---------------------------------------------------------------- the two libraries
+
+def restrict_configs(autotuner, wanted=FLA_CONFIGS) -> list[tuple]:
+    """Keep only ``wanted`` (BK, BV, warps, stages) among an autotuner's own configs; return the kept."""
+    kept = [c for c in autotuner.configs if tuning.config_tuple(c)[:4] in wanted]
+    if kept:
+        autotuner.configs = kept
+    return [tuning.config_tuple(c)[:4] for c in autotuner.configs]
+
+
+class Libraries:
+    """chunkstate and (if importable) fla-core: the entry points, autotuners and JIT functions."""
+
+    def __init__(self, fla_all_configs: bool, with_fla: bool = True):
+        from .. import backward, forward, pieces
+
+        mods = [forward, backward, pieces]
+        self.ours = types.SimpleNamespace(chunk_fwd_h=forward.chunk_fwd_h, chunk_bwd_dh=backward.chunk_bwd_dh)
+        self.ours_autotuners = find_autotuners(*mods)
+        self.ours_jit = find_jit_functions(*mods)
+        for at in self.ours_autotuners:
+            at.cache_results = False  # tune in memory only: each shape afresh
+
+        self.fla = None
+        self.fla_info = {"available": False}
+        self.fla_autotuners, self.fla_jit = [], []
+        if not with_fla:
+            self.fla_info["error"] = "not asked for"
+            return
+        # fla caches autotune results on disk (keyed without B, T, H): off, so every shape is tuned.
+        os.environ["FLA_CACHE_RESULTS"] = "0"
+        try:
+            from fla.ops.common import chunk_h
+
+            self.fla = chunk_h
+        except Exception as e:
+            self.fla_info["error"] = f"{type(e).__name__}: {e}"
+            return
+        self.fla_autotuners = find_autotuners(chunk_h)
+        self.fla_jit = find_jit_functions(chunk_h)
+        kept = {}
+        for at in self.fla_autotuners:
+            at.cache_results = False
+            name = getattr(getattr(at, "base_fn", None), "__name__", f"autotuner {len(kept)}")
+            kept[name] = ([tuning.config_tuple(c)[:4] for c in at.configs] if fla_all_configs
+                          else restrict_configs(at))
+        counts = sorted({len(v) for v in kept.values()})
+        note = (f"all of fla's own configs ({'/'.join(map(str, counts))})" if fla_all_configs else
+                f"restricted to {'/'.join(map(str, counts))} of its 48 configs (H200 winners; "
+                "--fla-all-configs keeps all)")
+        self.fla_info = {"available": True, "all_configs": fla_all_configs, "configs": kept,
+                         "configs_note": note + "; its autotune disk cache off, tuned per shape",
+                         "autotuners_found": len(self.fla_autotuners)}
+
+    def clear_autotune_caches(self):
+        for at in self.ours_autotuners + self.fla_autotuners:
+            at.cache.clear()
+
+
+# ---------------------------------------------------------------- one case
+
+def _timed(lib, jit, case, inp, **extra) -> tuple[dict, torch.Tensor | None]:
+    """First call and do_bench of one library on one case; errors are recorded, not raised."""
+    try:
+        out, seconds, compiled = first_call(call(lib, case, inp, **extra), jit)
+        entry = {"first_call_s": seconds, "compiled": compiled}
+        entry.update(do_bench(call(lib, case, inp, **extra)))
+        return entry, out
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}, None
+
+
+def _configs_run(autotuners, timed):
+    """Run ``timed()`` (a ``_timed`` call) and add to its entry, under ``"configs"``, the config
+    each of these autotuners ran last, by kernel name: (BK, BV, warps, stages, USE_TMA). With
+    pieces a kernel's autotuner runs twice (two keys); the entry holds the storing pass's config."""
+    for at in autotuners:
+        at.best_config = None
+    entry, out = timed()
+    chosen = {getattr(getattr(at, "base_fn", None), "__name__", "kernel"): list(tuning.config_tuple(at.best_config))
+              for at in autotuners if getattr(at, "best_config", None) is not None}
+    if chosen and "error" not in entry:
+        entry["configs"] = chosen
+    return entry, out
+
+
+def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float) -> dict:
+    """Time ``case`` for chunkstate (and in one pass too where it is cut into pieces) and fla;
+    the result record with its derived numbers (``model.derive``)."""
+    r = new_result(case, case_pieces(case))
+    ours_at, fla_at = getattr(libs, "ours_autotuners", []), getattr(libs, "fla_autotuners", [])
+    r["ours"], out = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp))
+    if r["pieces"] > 1 and r["ours"].get("ms"):  # what the pieces bought (or cost): one pass too
+        r["ours_one_pass"], _ = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp, pieces=1))
+    if libs.fla is not None:
+        r["fla"], ref = _configs_run(fla_at, lambda: _timed(libs.fla, libs.fla_jit, case, inp))
+        r["fla"]["valid"] = case.fla_valid
+        if not case.fla_valid:
+            r["fla"]["note"] = "fla wrong: its backward with split_size > chunk_size stores the wrong gradient"
+        if out is not None and ref is not None:
+            try:
+                r["agree_rel_err"] = agreement(out, ref)
+            except Exception as e:  # e.g. different shapes: recorded, the timings stand
+                r["agree_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        del ref
+    del out
+    return derive(r, copy_tbps)
+
+
+# ---------------------------------------------------------------- progress and metadata
+
+class Progress:
+    """A tqdm bar on stderr when tqdm is importable, else one counter line per case."""
+
+    def __init__(self, total: int, desc: str):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self.bar = tqdm(total=total, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True) if tqdm else None
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def start(self, label: str):
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
+        else:
+            print(f"[{self.done + 1}/{self.total}] {label} ...", file=sys.stderr, flush=True)
+
+    def finish(self, line: str):
+        self.done += 1
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+            self.bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {line} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    for name, dist in (("fla", "fla-core"), ("chunkstate", "chunkstate")):
+        try:
+            v[name] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            v[name] = None
+    try:  # the commit of the checkout this package was imported from, if it is one
+        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                  capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        v["git"] = None
+    return v
+
+
+def _device() -> dict:
+    if not torch.cuda.is_available():
+        return {"name": "CPU"}
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"name": props.name, "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
+
+
+def run_info(mode: str, cache: dict) -> dict:
+    """What every report records about its run: date, mode, command line, device, versions and
+    Triton's cache dir (``cache``: ``{"fresh", "dir"}``)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "mode": mode, "argv": sys.argv[1:], "device": _device(), "versions": _versions(),
+            "triton_cache": cache}
+
+
+def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) -> dict:
+    """``run_info``, and the copy probe, how each case is timed, its inputs and bytes, and fla's tuning."""
+    return {**run_info(mode, cache), "copy": copy,
+            "do_bench": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "statistic": "median (p20, p80 kept)"},
+            "BT": BT, "inputs": "bf16 k, v / q, do; fp32 gates (chunk-local log2 cumsums); no h0, ht, dht",
+            "bytes_model": " ".join(unique_bytes.__doc__.split()),
+            "fla": libs.fla_info if libs else None}
+
+
+# ---------------------------------------------------------------- runs
+
+def run_cases(cases: list[Case], args, mode: str, cache: dict) -> dict:
+    """Time ``cases`` shape by shape (``args``: ``out``, ``budget``, ``fla_all_configs``), writing
+    the JSON after every case, then the table, the summary and the figure."""
+    copy = copy_bandwidth()
+    libs = Libraries(args.fla_all_configs)
+    if libs.fla is None:
+        print(f"fla-core is not importable ({libs.fla_info['error']}): timing chunkstate alone", file=sys.stderr)
+    report = {"meta": metadata(mode, copy, libs, cache), "cases": []}
+    json_path, png_path = output_paths(args.out, mode)
+    progress = Progress(len(cases), f"chunkstate.bench {mode}")
+    t0 = time.perf_counter()
+    try:
+        for shape, group in itertools.groupby(cases, key=lambda c: c.shape):
+            group = list(group)
+            if args.budget and time.perf_counter() - t0 > args.budget:
+                for case in group:
+                    r = new_result(case, case_pieces(case))
+                    r["skipped"] = f"budget {args.budget:.0f} s spent"
+                    report["cases"].append(r)
+                    progress.finish(f"{case.label}: skipped (budget)")
+                continue
+            libs.clear_autotune_caches()  # every shape tuned afresh, for both libraries
+            inp = Inputs(shape)
+            for case in group:
+                progress.start(case.label)
+                r = run_case(case, inp, libs, copy["tbps"])
+                report["cases"].append(r)
+                write_json(report, json_path)
+                progress.finish(case_line(r))
+            del inp
+            torch.cuda.empty_cache()
+    finally:
+        progress.close()
+        report["meta"]["wall_s"] = time.perf_counter() - t0
+        write_json(report, json_path)
+    print(format_table(report["cases"]))
+    print(format_summary(report))
+    try:
+        write_png(report, png_path)
+    except Exception as e:  # the numbers are in the JSON; a plotting problem must not lose them
+        print(f"could not draw {png_path}: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"wrote {json_path} and {png_path}")
+    return report
+
+
+def run_sweep(shapes, args, cache: dict) -> dict:
+    """Time every config of ``tuning.ALL_CONFIGS`` (g gate, bf16 states, split None, ``pieces=1``)
+    per shape and direction; the JSON keeps all timings and the top 8 with the autotuner's
+    candidates marked."""
+    copy = copy_bandwidth()
+    libs = Libraries(fla_all_configs=False, with_fla=False)
+    report = {"meta": metadata("sweep", copy, None, cache), "sweep": []}
+    json_path, _ = output_paths(args.out, "sweep")
+    progress = Progress(len(shapes) * 2, "chunkstate.bench sweep")
+    try:
+        for shape in shapes:
+            inp = Inputs(shape)
+            for direction in ("fwd", "bwd"):
+                case = Case(shape, direction)
+                progress.start(case.label)
+                bucket = tuning.occupancy_bucket(shape.N * shape.H)
+                total = sum(unique_bytes(case).values())
+                timings = []
+                for cfg in tuning.ALL_CONFIGS:
+                    fn = call(libs.ours, case, inp, pieces=1, config=cfg)
+                    entry = {"config": list(tuning.config_tuple(cfg))}
+                    try:
+                        fn()
+                        entry.update(do_bench(fn))
+                        entry["tbps"] = total / (entry["ms"] * 1e-3) / 1e12
+                    except Exception as e:
+                        entry.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    timings.append(entry)
+                ranked = sorted((t for t in timings if t.get("ms")), key=lambda t: t["ms"])
+                chosen = [list(t) for t in tried_configs(shape.D, shape.D, bucket, case.gate)]
+                for t in ranked[:8]:
+                    t["candidate"] = t["config"] in chosen
+                report["sweep"].append({"case": case.label, "shape": shape.label, "direction": direction,
+                                        "occupancy_bucket": bucket, "total_bytes": total, "candidates": chosen,
+                                        "top": ranked[:8], "timings": timings})
+                write_json(report, json_path)
+                best = ", ".join(f"{tuple(t['config'])}{'*' if t['candidate'] else ''} {t['ms']:.3f}"
+                                 for t in ranked[:5])
+                progress.finish(f"{case.label} (bucket {bucket}): {best}")
+            del inp
+            torch.cuda.empty_cache()
+    finally:
+        progress.close()
+        write_json(report, json_path)
+    print(format_sweep(report))
+    print(f"wrote {json_path}")
+    return report
