@@ -29,9 +29,9 @@ import triton.language as tl
 
 from . import _validate, launch, tuning
 from . import pieces as _pieces
-from .kernel_parts import (chunk_rows, chunk_mask, constant_gate, gate_last, load_rows, load_scaled_query,
-                           load_state, program_tile, query_factor, scalar_gate, sequence_bounds, store_decays,
-                           store_state)
+from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
+                           load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
+                           sequence_bounds, store_decays, store_state)
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -90,7 +90,7 @@ def chunk_bwd_kernel_dh(
     if USE_GV:
         src_gv = chunk_rows(gv, bos, T, H, V, BT, BV, USE_TMA)
     if USE_G_GAMMA:
-        b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+        b_gamma = load_gamma(g_gamma, i_h)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if USE_FINAL_STATE_GRADIENT:
@@ -111,7 +111,7 @@ def chunk_bwd_kernel_dh(
             b_gq += b_g
             b_decay_k += b_g_last
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
-            b_gg, b_gg_last = constant_gate(b_gamma, i_t, T, BT)  # [BT], Γ
+            b_gg, b_gg_last, _ = constant_gate(b_gamma, i_t, T, BT)  # [BT] G, Γ
             b_dh *= tl.math.exp2(b_gg_last)
             b_gq += b_gg
             b_decay_k += b_gg_last
@@ -191,8 +191,11 @@ def chunk_bwd_dh(
         scale: the outputs' scale (a real number, usually K ** -0.5).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] key gate, gv: [B, T, H, V] value gate — each the
             *chunk-local inclusive cumulative sum in log2 units* of natural-log per-token gates
-            (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``); any combination.
-        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``).
+            (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
+            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
+            in these sums makes its (sequence, head)'s states non-finite from there on.
+        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −64, −inf
+            included, it counts as −64).
         state_v_first: store ``dh`` / ``dh0`` and read ``dht`` as [V, K] instead of [K, V].
         cu_seqlens: [N + 1] int offsets of sequences packed along T (then B must be 1).
         chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).

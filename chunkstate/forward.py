@@ -22,8 +22,9 @@ import triton.language as tl
 
 from . import _validate, launch, tuning
 from . import pieces as _pieces
-from .kernel_parts import (chunk_rows, chunk_mask, constant_gate, decay_rows, gate_last, load_rows, load_rows_t,
-                           load_state, program_tile, scalar_gate, sequence_bounds, store_decays, store_state)
+from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
+                           load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
+                           store_state)
 
 
 @triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK"])
@@ -77,7 +78,7 @@ def chunk_fwd_kernel_h(
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     if USE_G_GAMMA:
-        b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+        b_gamma = load_gamma(g_gamma, i_h)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if USE_INITIAL_STATE:
@@ -99,9 +100,9 @@ def chunk_fwd_kernel_h(
             b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
             b_decay_k += b_g_last
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
-            b_gg, b_gg_last = constant_gate(b_gamma, i_t, T, BT)  # [BT], Γ
+            _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
             b_h *= tl.math.exp2(b_gg_last)
-            b_v = decay_rows(b_v, b_gg_last - b_gg, m_t, False)
+            b_v = decay_rows(b_v, b_gg_to_end, m_t, False)
             b_decay_k += b_gg_last
         if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
             b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
@@ -157,8 +158,11 @@ def chunk_fwd_h(
         k: [B, T, H, K] keys; v: [B, T, H, V] values (same float dtype; fp16/bf16/fp32).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] key gate, gv: [B, T, H, V] value gate — each the
             *chunk-local inclusive cumulative sum in log2 units* of natural-log per-token gates
-            (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``); any combination.
-        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``).
+            (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
+            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
+            in these sums makes its (sequence, head)'s states non-finite from there on.
+        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −64, −inf
+            included, it counts as −64).
         h0: [N, H, K, V] initial states (any float dtype; [N, H, V, K] with ``state_v_first``).
         output_final_state: also return ``ht``, the state after each sequence's last token.
         state_v_first: store ``h`` / read ``h0`` / write ``ht`` as [V, K] instead of [K, V].

@@ -7,6 +7,14 @@ sum in log2 units*: inside chunk c, ``G[t] = log2(e) * sum(gate[c_start .. t])``
 at every chunk (and at every sequence start in a packed batch), so within a chunk
 ``G[last] - G[t] <= 0`` for decaying gates and ``exp2`` of it never overflows. ``g_gamma`` is
 passed as ``log2(e) * g_gamma``.
+
+**Decays of zero.** A gate of −inf (a decay of exactly zero: the state forgets everything) is
+allowed, but its cumulative sum is −inf from that token to the end of the chunk, and the
+kernels' ``2^{Γ − G}`` becomes −inf − (−inf) = NaN: the information the kernels need (the sum of
+the gates *after* the zero) is gone. So ``chunk_local_cumsum`` raises every gate below
+``MIN_GATE`` = −64·ln 2 (a per-token decay below 2^−64 ≈ 5.4e−20) to ``MIN_GATE`` before summing.
+That changes any state by less than one part in 10^19 of what the earlier tokens contributed,
+far below fp32's rounding, and keeps every sum finite; the kernels do the same for ``g_gamma``.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 from . import _validate
 
 RCP_LN2 = 1.0 / math.log(2.0)  # log2(e): natural-log gates times this are log2 gates
+MIN_GATE = -64.0 * math.log(2.0)  # natural log: smaller gates (-inf too) count as this (module docstring)
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -68,7 +77,7 @@ def _chunk_ids(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device)
 
 def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Tensor | None = None,
                        scale: float = RCP_LN2, reverse: bool = False,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float32, floor: float | None = MIN_GATE) -> torch.Tensor:
     """Chunk-local inclusive cumulative sum along time, times ``scale`` (default: to log2 units).
 
     Args:
@@ -78,9 +87,12 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
         scale: multiplies the result (``RCP_LN2`` = log2(e) for the kernels; 1.0 keeps natural log).
         reverse: sum from each token to the *end* of its chunk instead (used by gradients).
         dtype: of the result (float32 by default, as the kernels expect).
+        floor: gates below it are raised to it first (default ``MIN_GATE``: a gate of −inf, a
+            decay of zero, then gives finite sums; module docstring); None sums the values as
+            they are (e.g. gradients, with ``reverse``). NaN stays NaN.
     Returns:
-        a tensor shaped like ``gate``: ``out[:, t] = scale * sum(gate[:, s])`` over the tokens s of
-        t's chunk with s <= t (s >= t when ``reverse``). Summed in float64 for accuracy.
+        a tensor shaped like ``gate``: ``out[:, t] = scale * sum(max(gate[:, s], floor))`` over the
+        tokens s of t's chunk with s <= t (s >= t when ``reverse``). Summed in float64 for accuracy.
     Raises:
         ValueError: ``gate`` not 3-D or 4-D; ``chunk_size`` not a positive int; ``cu_seqlens``
         with B != 1, or not a 1-D int tensor [0, ..., T] that never decreases.
@@ -102,6 +114,8 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     pos = torch.arange(T, device=gate.device) - start  # [T] position inside its chunk
     n_chunks, width = (int(ids[-1]) + 1, int(pos.max()) + 1) if T > 0 else (0, 0)  # width <= chunk_size
     x = gate.to(torch.float64)
+    if floor is not None:
+        x = torch.where(x < floor, floor, x)  # a NaN stays (x < floor is False for it)
     padded = x.new_zeros(x.shape[0], n_chunks, width, *x.shape[2:])
     padded[:, ids, pos] = x
     if reverse:

@@ -148,10 +148,21 @@ def scalar_gate(g, bos, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def constant_gate(b_gamma, i_t, T, BT: tl.constexpr):
-    """The constant gate γ per token over chunk i_t: G_i = γ·(i+1) [BT] and Γ = γ·(valid length)."""
-    last = tl.minimum(tl.cast(i_t, tl.int64) * BT + BT, T) - 1
-    b_gg = b_gamma * (tl.arange(0, BT) + 1).to(tl.float32)
-    return b_gg, b_gamma * (last - tl.cast(i_t, tl.int64) * BT + 1).to(tl.float32)
+    """The constant gate γ per token over chunk i_t: G_i = γ·(i+1) [BT], Γ = γ·(valid length), and
+    Γ − G_i = γ·(length − 1 − i) [BT] as one product (the difference of two large products would
+    lose it to rounding)."""
+    length = tl.minimum(tl.cast(i_t, tl.int64) * BT + BT, T) - tl.cast(i_t, tl.int64) * BT
+    o_t = tl.arange(0, BT)
+    return b_gamma * (o_t + 1).to(tl.float32), b_gamma * length.to(tl.float32), \
+        b_gamma * (length - 1 - o_t).to(tl.float32)
+
+
+@triton.jit
+def load_gamma(g_gamma, i_h):
+    """Head i_h's constant gate γ (log2) in fp32, raised to −64 if below (a decay of zero, −inf,
+    included: ``gates.MIN_GATE``'s rule); NaN stays NaN."""
+    b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
+    return tl.where(b_gamma < -64.0, -64.0, b_gamma)
 
 
 @triton.jit

@@ -161,6 +161,67 @@ def test_resets_inside_a_chunk_stay_within_the_cumsum_rounding(name):
     check_close(dh0, dh0_ref, "dh0", tol)
 
 
+ZERO_DECAY_TOKENS = (0, 20, 21, 31, 47, 69)  # chunk starts and ends, two in a row, the sequence's first and last
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # g_gamma's masked lanes (see above)
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_zero_decays_and_huge_negative_gates_are_exact(pieces):
+    """Gates of −inf (a decay of exactly zero: the state forgets everything) and of −1e30 / −1e4
+    natural log, through ``gates.chunk_local_cumsum`` (which raises gates below ``MIN_GATE`` to it)
+    and a g_gamma of −inf for one head: forward and backward match the float64 loop, which applies
+    the −inf as it is. Before, ``2^{Γ−G}`` was −inf − (−inf) = NaN from the first −inf on. Up to
+    two zero decays in one chunk make its cumsum reach ~128 (log2): the tolerance adds the rounding
+    of such cumsums, as in the test above."""
+    B, T, H, K, V, BT = 2, 70, 2, 16, 24, 16
+    k, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
+    q, do = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
+    nat = dict(g=F.logsigmoid(2 + torch.randn(B, T, H, device=DEVICE)),
+               gk=F.logsigmoid(2 + torch.randn(B, T, H, K, device=DEVICE)),
+               gv=F.logsigmoid(2 + torch.randn(B, T, H, V, device=DEVICE)),
+               g_gamma=torch.tensor([-0.05, -math.inf], device=DEVICE))
+    for t in ZERO_DECAY_TOKENS:
+        nat["g"][0, t, 0] = -math.inf
+    nat["gk"][1, 5, 1, 3] = -1e30
+    nat["gv"][1, 40, 0, :] = -1e4
+    kg = kernel_gates(nat, BT)
+    assert all(torch.isfinite(x).all() for x in kg.values() if x.dim() > 1), "the cumsums must be finite"
+    tol = TOL_FP32 + 2 * (2 * math.log(2) * 2.0 ** -24 * max(x.abs().max().item() for x in kg.values() if x.dim() > 1))
+    h0, dht = torch.randn(B, H, K, V, device=DEVICE), torch.randn(B, H, K, V, device=DEVICE)
+    h, ht = forward(k, v, kg, h0=h0, BT=BT, pieces=pieces)
+    h_ref, ht_ref = reference.recurrent_states(k, v, **nat, h0=h0, chunk_size=BT)
+    check_close(h, h_ref, "h with zero decays", tol)
+    check_close(ht, ht_ref, "ht with zero decays", tol)
+    dh, dh0 = backward(q, k, v, do, kg, h0=h0, dht=dht, BT=BT, pieces=pieces)
+    dh_ref, dh0_ref = reference.state_grads(q, k, v, do, **nat, h0=h0, dht=dht, scale=0.5, chunk_size=BT)
+    check_close(dh, dh_ref, "dh with zero decays", tol)
+    check_close(dh0, dh0_ref, "dh0 with zero decays", tol)
+
+
+def test_issue_22_reproducer_gives_finite_states():
+    """The report's case: g = −0.1 everywhere but −inf at token 20 (chunk 1 of two): every state
+    finite and equal to the loop's."""
+    k, v = torch.randn(1, 32, 1, 16, device=DEVICE), torch.randn(1, 32, 1, 16, device=DEVICE)
+    g = torch.full((1, 32, 1), -0.1, device=DEVICE)
+    g[0, 20, 0] = float("-inf")
+    h, ht = chunkstate.chunk_fwd_h(k, v, g=gates.chunk_local_cumsum(g, 16), output_final_state=True, chunk_size=16)
+    h_ref, ht_ref = reference.recurrent_states(k, v, g=g, chunk_size=16)
+    check_close(h, h_ref, "h", TOL_FP32)
+    check_close(ht, ht_ref, "ht", TOL_FP32)
+
+
+def test_chunk_local_cumsum_floor():
+    """Gates below ``MIN_GATE`` count as ``MIN_GATE`` (−inf included), NaN stays NaN, ``floor=None``
+    sums the values as they are."""
+    g = torch.tensor([[-1.0, -math.inf, -0.5, -1e30, math.nan, -2.0]])[..., None]  # [1, 6, 1]
+    got = gates.chunk_local_cumsum(g, 4, scale=1.0, dtype=torch.float64)[0, :, 0].tolist()
+    m = gates.MIN_GATE
+    assert got[:4] == [-1.0, -1.0 + m, -1.5 + m, -1.5 + 2 * m]
+    assert math.isnan(got[4]) and math.isnan(got[5])  # the NaN's chunk (tokens 4, 5) from it on
+    raw = gates.chunk_local_cumsum(g, 4, scale=1.0, dtype=torch.float64, floor=None)[0, :, 0].tolist()
+    assert raw[1] == -math.inf and raw[3] == -math.inf
+
+
 # ---------------------------------------------------------------------------------------------
 # Large magnitudes
 # ---------------------------------------------------------------------------------------------
