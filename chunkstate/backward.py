@@ -194,8 +194,8 @@ def chunk_bwd_dh(
             (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
             −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
             in these sums makes its (sequence, head)'s states non-finite from there on.
-        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −64, −inf
-            included, it counts as −64).
+        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
+            included, it counts as −160).
         state_v_first: store ``dh`` / ``dh0`` and read ``dht`` as [V, K] instead of [K, V].
         cu_seqlens: [N + 1] int offsets of sequences packed along T (then B must be 1).
         chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).

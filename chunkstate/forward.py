@@ -161,8 +161,8 @@ def chunk_fwd_h(
             (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
             −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
             in these sums makes its (sequence, head)'s states non-finite from there on.
-        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −64, −inf
-            included, it counts as −64).
+        g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
+            included, it counts as −160).
         h0: [N, H, K, V] initial states (any float dtype; [N, H, V, K] with ``state_v_first``).
         output_final_state: also return ``ht``, the state after each sequence's last token.
         state_v_first: store ``h`` / read ``h0`` / write ``ht`` as [V, K] instead of [K, V].

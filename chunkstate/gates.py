@@ -12,9 +12,11 @@ passed as ``log2(e) * g_gamma``.
 allowed, but its cumulative sum is −inf from that token to the end of the chunk, and the
 kernels' ``2^{Γ − G}`` becomes −inf − (−inf) = NaN: the information the kernels need (the sum of
 the gates *after* the zero) is gone. So ``chunk_local_cumsum`` raises every gate below
-``MIN_GATE`` = −64·ln 2 (a per-token decay below 2^−64 ≈ 5.4e−20) to ``MIN_GATE`` before summing.
-That changes any state by less than one part in 10^19 of what the earlier tokens contributed,
-far below fp32's rounding, and keeps every sum finite; the kernels do the same for ``g_gamma``.
+``MIN_GATE`` = −160·ln 2 (a per-token decay below 2^−160 ≈ 7e−49) to ``MIN_GATE`` before summing,
+which keeps every sum finite. The kernels compute in fp32, where 2^x is 0 below x ≈ −150: no
+path through such a decay is representable there, so the states and every gradient are the
+ones fp32 gives for the true, smaller decay (the gradient of the raised gate itself, e^{gate}
+times something, is taken as 0). The kernels do the same for ``g_gamma``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 from . import _validate
 
 RCP_LN2 = 1.0 / math.log(2.0)  # log2(e): natural-log gates times this are log2 gates
-MIN_GATE = -64.0 * math.log(2.0)  # natural log: smaller gates (-inf too) count as this (module docstring)
+MIN_GATE = -160.0 * math.log(2.0)  # natural log: smaller gates (-inf too) count as this (module docstring)
 
 
 def _check_chunk_size(chunk_size) -> None:

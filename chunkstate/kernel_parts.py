@@ -159,10 +159,10 @@ def constant_gate(b_gamma, i_t, T, BT: tl.constexpr):
 
 @triton.jit
 def load_gamma(g_gamma, i_h):
-    """Head i_h's constant gate γ (log2) in fp32, raised to −64 if below (a decay of zero, −inf,
+    """Head i_h's constant gate γ (log2) in fp32, raised to −160 if below (a decay of zero, −inf,
     included: ``gates.MIN_GATE``'s rule); NaN stays NaN."""
     b_gamma = tl.load(g_gamma + i_h).to(tl.float32)
-    return tl.where(b_gamma < -64.0, -64.0, b_gamma)
+    return tl.where(b_gamma < -160.0, -160.0, b_gamma)
 
 
 @triton.jit
