@@ -140,4 +140,4 @@ def flag(name: str, x) -> bool:
         return x
     if type(x).__name__ == "bool_":  # numpy.bool_
         return bool(x)
-    raise TypeError(f"{name} must be True or False, got {x!r} ({type(x).__name__})")
+    raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__})")

@@ -75,10 +75,12 @@ from __future__ import annotations
 
 import torch
 
+from torch.autograd.function import once_differentiable
+
 from . import _validate
 from .backward import chunk_bwd_dh
 from .forward import chunk_fwd_h
-from .gates import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+from .gates import MIN_GATE, chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
 
 
 
@@ -292,6 +294,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         return layout.from_chunks(o).to(v.dtype), ht
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative raises, never a wrong one
     def backward(ctx, do, dht):
         q, k, v, g, gk, initial_state, cu_seqlens = ctx.saved_tensors
         scale, BT = ctx.scale, ctx.chunk_size
@@ -313,10 +316,10 @@ class ChunkGLAFunction(torch.autograd.Function):
         dq, dk, dv, da = intra_backward(qc, kc, vc, G, h.reshape(layout.C, H, K, V).to(layout.dtype), doc,
                                         dh.reshape(layout.C, H, K, V).to(layout.dtype), scale, gate_grad=gated)
         dg = dgk = None
-        if gated:
+        if gated:  # a gate raised to MIN_GATE by the cumsum has no gradient (gates module docstring)
             da = layout.from_chunks(da)
-            dgk = None if gk is None else da.to(gk.dtype)
-            dg = None if g is None else da.sum(-1).to(g.dtype)
+            dgk = None if gk is None else torch.where(gk < MIN_GATE, 0.0, da).to(gk.dtype)
+            dg = None if g is None else torch.where(g < MIN_GATE, 0.0, da.sum(-1)).to(g.dtype)
         dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
         return (layout.from_chunks(dq).to(q.dtype), layout.from_chunks(dk).to(k.dtype),
                 layout.from_chunks(dv).to(v.dtype), dg, dgk, None, dh0, None, None, None)
@@ -345,8 +348,9 @@ def chunk_gla(
         q, k: [B, T, H, K]; v: [B, T, H, V] (one dtype: fp16, bf16 or fp32).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] per-key gate: *natural-log* per-token decays
             (e.g. ``F.logsigmoid(x)``), any float dtype; the op takes their chunk-local cumulative
-            sums itself (log2 units for the kernels). For overflow safety they should be <= 0.
-        scale: a real number (default ``K ** -0.5``).
+            sums itself (log2 units for the kernels). For overflow safety they should be <= 0;
+            −inf (a decay of zero) is allowed (``gates.MIN_GATE``).
+        scale: a real number (default ``K ** -0.5``, 1 when K = 0).
         initial_state: [N, H, K, V] (any float dtype), N = B, or the number of packed sequences.
         output_final_state: also return ``ht``.
         cu_seqlens: [N + 1] int32/int64 offsets of sequences packed along T (then B must be 1).
@@ -355,7 +359,8 @@ def chunk_gla(
         o: [B, T, H, V] in v's dtype;
         ht: [N, H, K, V] fp32, the state after each sequence's last token (``initial_state``, or
             0, for an empty sequence), or None unless ``output_final_state``.
-    Gradients: for q, k, v, g, gk and initial_state, in their dtypes (through ``ht`` too).
+    Gradients: for q, k, v, g, gk and initial_state, in their dtypes (through ``ht`` too); once
+        only: differentiating the gradients again raises RuntimeError.
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices,
         sizes, offsets or a non-real ``scale``.
@@ -374,9 +379,11 @@ def chunk_gla(
     _validate.kernel_input("q", q)
     V = v.shape[-1]
     g, _, gk, _ = _validate.gates(B, T, H, K, V, g, None, gk, None, like=q)
-    scale = K ** -0.5 if scale is None else _validate.real("scale", scale)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    if scale is None:
+        scale = K ** -0.5 if K > 0 else 1.0  # K = 0: every output is 0 whatever the scale
+    else:
+        scale = _validate.real("scale", scale)
+    output_final_state = _validate.flag("output_final_state", output_final_state)
     BT, _ = _validate.sizes(chunk_size, None)
     cu_seqlens, _, N = _validate.cu_seqlens(cu_seqlens, B, T, like=q)
     if initial_state is not None:

@@ -201,14 +201,14 @@ def test_inputs_on_a_device_the_kernels_cannot_use(ok):
                                                                                         "zero", "none", "tensor"])
 def test_flags_must_be_bools(ok, name, value):
     """A flag is True or False: ``"no"`` or ``"False"`` would be silently truthy."""
-    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+    with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\)"):
         chunkstate.chunk_fwd_h(**dict(ok, **{name: value}))
 
 
 @pytest.mark.parametrize("name", ["state_v_first", "states_in_fp32"])
 def test_backward_flags_must_be_bools(device, name):
     q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
-    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+    with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\)"):
         chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, **{name: "False"})
 
 

@@ -518,3 +518,55 @@ def test_gpu_against_fla(c, device, fla_one_config):
         raise
     for name, gf in zip(y, grads_fla):
         both(f"d{name}", grads[name], gf, grads_ref[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# Decays of zero, K = 0, second derivatives
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gates", [("g",), ("gk",), ("g", "gk")], ids=["g", "gk", "g+gk"])
+def test_zero_decays_match_the_loop(gates, device):
+    """Gates of −inf (a decay of exactly zero) at a chunk's first and last tokens, twice in a row,
+    and at a packed sequence's first token, and one of −1e30: outputs and every gradient match the
+    float64 loop (which applies −inf as it is); the gradient of a −inf gate is 0 there and here.
+    Each zero decay adds ``MIN_GATE`` to its chunk's cumsum, and three in one chunk, in g and gk
+    both, make it ~−960 (log2): the tolerance adds the rounding of such cumsums in fp32, as
+    ``tests/test_numerics.py``'s reset tests do."""
+    x, cu_seqlens, do, dht = make_inputs(1, 100, 2, 12, 10, gates, True, [0, 37, 100], device=device)
+    with torch.no_grad():
+        for name in gates:
+            t = x[name]
+            for tok in (0, 31, 32, 33, 37, 63, 99):  # BT = 32: chunk edges; 37 starts sequence 1
+                t[0, tok, 0] = -math.inf
+            t[0, 50, 1] = -1e30
+    a = sum(x[n].detach()[..., None] if n == "g" else x[n].detach() for n in gates)
+    G_max = sum(chunk_local_cumsum(x[n].detach(), 32, cu_seqlens).abs().max().item() for n in gates)
+    tol = TOL_F32 + 2 * (2 * math.log(2) * 2.0 ** -24 * G_max)
+    assert torch.isinf(a).any() and G_max > 300, "the draw must hold zero decays"
+    errs = check_against_loop(x, cu_seqlens, do, dht, tol, 32, what="zero decays")
+    assert all(math.isfinite(e) for e in errs.values()), errs
+    for name in gates:
+        o, ht = chunk_gla(**x, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=32)
+        grad = torch.autograd.grad(loss_of(o, ht, do, dht), x[name])[0]
+        assert torch.isfinite(grad).all() and (grad[0, 31, 0] == 0).all(), f"d{name} at a -inf gate"
+
+
+def test_no_key_dimension(device):
+    """K = 0: no state, every output 0 and every gradient 0 (the default scale K^-0.5 has no value
+    there; any scale gives the same)."""
+    x, cu_seqlens, do, dht = make_inputs(1, 40, 2, 0, 8, ("g",), True, None, device=device)
+    o, ht = chunk_gla(**x, output_final_state=True, chunk_size=16)
+    assert o.shape == (1, 40, 2, 8) and not o.any() and ht.shape == (1, 2, 0, 8)
+    grads = torch.autograd.grad(loss_of(o, ht, do, dht), [x["v"], x["g"]])
+    assert all(not g.any() for g in grads)
+
+
+def test_second_derivatives_raise(device):
+    """The op's backward is not itself differentiable: asking for a second derivative raises
+    instead of returning a wrong one (it used to be 20-47 % off)."""
+    x, cu_seqlens, do, dht = make_inputs(1, 20, 1, 8, 8, ("g",), False, None, device=device)
+    o, _ = chunk_gla(**x, chunk_size=16)
+    do.requires_grad_()  # as gradgradcheck's upstream gradients do
+    (dq,) = torch.autograd.grad((o * do).sum(), x["q"], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
