@@ -109,7 +109,7 @@ def test_parse_config():
         roofline.parse_config("64x128")
 
 
-def test_figures_draw(tmp_path, monkeypatch):
+def test_figures_draw(tmp_path):
     import matplotlib.pyplot as plt
 
     sweep = roofline.load_sweep()
@@ -117,6 +117,5 @@ def test_figures_draw(tmp_path, monkeypatch):
         fig = draw(sweep)
         assert fig.axes and fig.axes[0].get_title()
         plt.close(fig)
-    monkeypatch.setattr(roofline, "save", lambda fig, name: fig.savefig(tmp_path / name) or tmp_path / name)
-    paths = roofline.main()
-    assert [p.name for p in paths] == ["roofline.png", "occupancy_h200.png"] and all(p.is_file() for p in paths)
+    paths = roofline.main(tmp_path)
+    assert paths == [tmp_path / "roofline.png", tmp_path / "occupancy_h200.png"] and all(p.is_file() for p in paths)

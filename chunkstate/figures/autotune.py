@@ -10,8 +10,8 @@ the same shape and the copy-roof floor. Config names read ``{BK}x{BV}w{num_warps
   and the floor;
 - ``draw_reuse(sweep)``: among shapes with the same K, V, the slowdown of running every shape with
   one shape's winner — what a key without B, T, H does (fla's);
-- ``main()`` redraws ``figures/autotune_landscape.png`` and ``figures/autotune_reuse.png`` from the
-  JSON (no GPU needed); it draws nothing when the JSON is absent.
+- ``main(out_dir)`` redraws ``autotune_landscape.png`` and ``autotune_reuse.png`` into ``out_dir``
+  from the JSON (no GPU needed).
 
 Occupancy buckets come from ``tuning.occupancy_bucket``, i.e. from this machine's SM count (132 on a
 machine without a GPU, as on the H200 of the sweep).
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
-from . import FIGURES_DIR, save
+from . import committed, save
 
 SWEEP_FILE = "sweep_fwd_h200.json"
 _NAME = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)$")
@@ -30,9 +29,10 @@ ALL_COLOR, CAND_COLOR, BEST_COLOR, FLA_COLOR = "#B0B0B0", "#4C72B0", "#55A868", 
 
 
 def load_sweep(path=None) -> dict:
-    """The sweep report: ``{"device", "rows": [{"shape_BTHKV", "ms_by_config", "fla_ms", "floor_ms"}, ...], ...}``."""
-    path = Path(FIGURES_DIR / SWEEP_FILE if path is None else path)
-    return json.loads(path.read_text())
+    """The sweep report: ``{"device", "rows": [{"shape_BTHKV", "ms_by_config", "fla_ms", "floor_ms"}, ...], ...}``.
+    ``path``: the JSON; by default the checkout's ``figures/sweep_fwd_h200.json``
+    (FileNotFoundError outside a checkout, or when it is missing)."""
+    return json.loads(committed(SWEEP_FILE, path, "load_sweep(path=...)").read_text())
 
 
 def config_name(config) -> str:
@@ -194,12 +194,10 @@ def draw_reuse(sweep: dict, K: int = 128, V: int = 128):
     return fig
 
 
-def main() -> list:
-    """Redraw ``figures/autotune_landscape.png`` and ``figures/autotune_reuse.png`` from the sweep."""
-    path = FIGURES_DIR / SWEEP_FILE
-    if not path.is_file():
-        return []
-    sweep = load_sweep(path)
-    return [save(draw(sweep), name)
+def main(out_dir, sweep_path=None) -> list:
+    """Redraw ``autotune_landscape.png`` and ``autotune_reuse.png`` into ``out_dir`` from the sweep
+    (``load_sweep(sweep_path)``: FileNotFoundError without one)."""
+    sweep = load_sweep(sweep_path)
+    return [save(draw(sweep), name, out_dir)
             for draw, name in ((draw_landscape, "autotune_landscape.png"), (draw_reuse, "autotune_reuse.png"))]
 

@@ -77,5 +77,5 @@ def draw(T: int = 160, BT: int = 32, BS: int = 64):
     return fig
 
 
-def main():
-    return [save(draw(), "backward_scan.png")]
+def main(out_dir):
+    return [save(draw(), "backward_scan.png", out_dir)]

@@ -60,5 +60,5 @@ def draw(T: int = 200, BT: int = 64):
     return fig
 
 
-def main():
-    return [save(draw(), "chunking.png")]
+def main(out_dir):
+    return [save(draw(), "chunking.png", out_dir)]

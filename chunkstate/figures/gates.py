@@ -85,5 +85,5 @@ def draw_cumsum(T: int = 4096, BT: int = 64):
     return fig
 
 
-def main():
-    return [save(draw_decays(), "gates_decays.png"), save(draw_cumsum(), "gates_cumsum.png")]
+def main(out_dir):
+    return [save(draw_decays(), "gates_decays.png", out_dir), save(draw_cumsum(), "gates_cumsum.png", out_dir)]

@@ -48,5 +48,5 @@ def draw(BT: int = 16):
     return fig
 
 
-def main():
-    return [save(draw(), "intra_halving.png")]
+def main(out_dir):
+    return [save(draw(), "intra_halving.png", out_dir)]

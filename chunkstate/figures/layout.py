@@ -1,6 +1,6 @@
 """Figures of where things live: a time-major tensor in memory (chapter 04), the state's tiles and
 the flat grid of programs (chapter 05), a packed batch of ragged sequences and its state slots
-(chapter 06). Each ``draw_*`` returns a matplotlib figure; ``main()`` saves all three.
+(chapter 06). Each ``draw_*`` returns a matplotlib figure; ``main(out_dir)`` saves all three.
 """
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def draw_varlen_layout(lens=(5, 0, 11, 1, 8), BT: int = 4):
     return fig
 
 
-def main() -> list:
-    """Draw and save this module's figures; return their paths."""
-    return [save(draw(), name) for draw, name in ((draw_time_major_layout, "layout_time_major.png"),
+def main(out_dir) -> list:
+    """Draw this module's figures into ``out_dir``; return their paths."""
+    return [save(draw(), name, out_dir) for draw, name in ((draw_time_major_layout, "layout_time_major.png"),
                                                   (draw_state_tiles, "layout_state_tiles.png"),
                                                   (draw_varlen_layout, "layout_varlen.png"))]

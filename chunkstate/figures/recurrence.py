@@ -75,5 +75,5 @@ def draw(K: int = 128, V: int = 128, model: dict = MODEL_7B):
     return fig
 
 
-def main():
-    return [save(draw(), "recurrence_cost.png")]
+def main(out_dir):
+    return [save(draw(), "recurrence_cost.png", out_dir)]

@@ -13,21 +13,20 @@ config of ``chunkstate.tuning.ALL_CONFIGS`` timed on an H200 over 8 shapes, with
 - ``occupancy_h200.png``: time / floor per shape (floor = unique bytes / copy bandwidth), shapes
   ordered by the number of (sequence, head) pairs: the few-program shapes sit far above the floor.
 
-``main()`` redraws both from the committed JSON (no GPU needed).
+``main(out_dir)`` redraws both from the committed JSON (no GPU needed).
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from pathlib import Path
 
-from . import FIGURES_DIR, save
+from . import committed, save
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak, H200 SXM datasheet
 H200_HBM_TBPS = 4.8  # HBM3e bandwidth, H200 SXM datasheet
 H200_SMS = 132
-SWEEP_PATH = FIGURES_DIR / "sweep_fwd_h200.json"
+SWEEP_FILE = "sweep_fwd_h200.json"
 _CONFIG = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
 
 
@@ -55,11 +54,13 @@ def ridge(tflops: float = H200_BF16_TFLOPS, tbps: float = H200_HBM_TBPS) -> floa
     return tflops / tbps
 
 
-def load_sweep(path=SWEEP_PATH) -> dict:
+def load_sweep(path=None) -> dict:
     """The committed H200 sweep: ``{"what", "device", "torch", "triton", "date", "inputs",
     "floor_ms", "copy_bandwidth_TBps", "bad_configs", "rows"}``; each row ``{"shape_BTHKV",
-    "gate", "floor_ms", "fla_ms", "ms_by_config": {"BKxBVwWARPSsSTAGES": ms}}``."""
-    return json.loads(Path(path).read_text())
+    "gate", "floor_ms", "fla_ms", "ms_by_config": {"BKxBVwWARPSsSTAGES": ms}}``. ``path``: the
+    JSON; by default the checkout's ``figures/sweep_fwd_h200.json`` (FileNotFoundError outside a
+    checkout, or when it is missing)."""
+    return json.loads(committed(SWEEP_FILE, path, "load_sweep(path=...)").read_text())
 
 
 def parse_config(name: str) -> tuple[int, int, int, int]:
@@ -169,7 +170,9 @@ def draw_occupancy(sweep: dict):
     return fig
 
 
-def main():
-    sweep = load_sweep()
-    return [save(draw(sweep), name) for draw, name in ((draw_roofline, "roofline.png"),
+def main(out_dir, sweep_path=None):
+    """Redraw ``roofline.png`` and ``occupancy_h200.png`` into ``out_dir`` from the sweep
+    (``load_sweep(sweep_path)``: FileNotFoundError without one)."""
+    sweep = load_sweep(sweep_path)
+    return [save(draw(sweep), name, out_dir) for draw, name in ((draw_roofline, "roofline.png"),
                                                        (draw_occupancy, "occupancy_h200.png"))]

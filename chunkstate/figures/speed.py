@@ -9,7 +9,8 @@
 
 A case where fla's result is known to be wrong (its backward with split_size > chunk_size) is
 drawn hatched. ``main()`` redraws ``figures/bench_h200*.png`` from the JSON files committed beside
-them (no GPU needed); it draws nothing when there are none.
+them (no GPU needed; ``out_dir`` and ``reports_dir`` choose other folders); it draws nothing when
+there are none.
 """
 from __future__ import annotations
 
@@ -78,14 +79,22 @@ def draw(report: dict):
 
 def save_png(report: dict, path) -> Path:
     """Draw ``report`` and write it to ``path`` (PNG, no timestamp metadata: same report, same bytes)."""
-    return save(draw(report), Path(path).resolve())
+    path = Path(path).resolve()
+    return save(draw(report), path.name, path.parent)
 
 
-def main():
-    """Redraw ``figures/bench_h200*.png`` from the reports beside them (sweeps have no figure)."""
+def main(out_dir=None, reports_dir=None):
+    """Redraw ``bench_h200*.png`` from the benchmark reports ``bench_h200*.json`` in ``reports_dir``
+    (default: the checkout's ``figures/``; FileNotFoundError outside a checkout) into ``out_dir``
+    (default: beside each report, as the benchmark writes them). Sweeps have no figure."""
+    reports = FIGURES_DIR if reports_dir is None else Path(reports_dir)
+    if reports is None:
+        raise FileNotFoundError("bench_h200*.json: chunkstate is not running from a repository checkout, so there "
+                                "is no figures/ folder to read the benchmark reports from; pass main(reports_dir=...)")
     paths = []
-    for report_path in sorted(FIGURES_DIR.glob("bench_h200*.json")):
+    for report_path in sorted(reports.glob("bench_h200*.json")):
         report = json.loads(report_path.read_text())
         if "cases" in report:
-            paths.append(save_png(report, report_path.with_suffix(".png")))
+            png = report_path.with_suffix(".png")
+            paths.append(save_png(report, png if out_dir is None else Path(out_dir) / png.name))
     return paths
