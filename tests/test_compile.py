@@ -11,8 +11,8 @@ interpreter functions, so the compiling runs in subprocesses started with ``TRIT
 What is compiled (about 2 s per config on one core, up to ~15 s for 64×128 tiles at 4 stages):
 every config the autotuner can try (``tuning.prune`` for K = V = 128 and each grid bucket) for
 the main forward flag set, always; plus a rotating subset of ``tuning.ALL_CONFIGS`` for every
-flag set, ``ROTATING`` configs each, deterministic for a day (the ids say which) and cycling
-through all of them over the days. ``CHUNKSTATE_COMPILE_ALL=1`` compiles every config of every
+flag set, ``ROTATING`` configs each, picked by the session seed (the ids say which; the same
+``CHUNKSTATE_SEED`` picks the same ones), so that over many runs every config comes up. ``CHUNKSTATE_COMPILE_ALL=1`` compiles every config of every
 flag set; ``CHUNKSTATE_COMPILE_ROTATION=<int>`` picks the rotation; ``CHUNKSTATE_COMPILE_WORKERS``
 sets the number of compiling processes (default: the CPU count, at most 4). Compiled kernels
 land in Triton's cache, so a second run is fast.
@@ -25,7 +25,6 @@ from the configs. An argument left out (or one the kernel does not have) fails w
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import inspect
 import json
 import os
@@ -129,9 +128,12 @@ def candidate_keys(K: int, V: int, buckets=None, vector_gates=(False, True)) -> 
 
 
 def rotation() -> int:
+    """Which rotating configs this run compiles: ``CHUNKSTATE_COMPILE_ROTATION`` if set, else the
+    session seed (``CHUNKSTATE_SEED``, printed in pytest's header and set by tests/conftest.py
+    before collection, for every xdist worker alike), so a failing pick replays with that seed."""
     if "CHUNKSTATE_COMPILE_ROTATION" in os.environ:
         return int(os.environ["CHUNKSTATE_COMPILE_ROTATION"])
-    return datetime.date.today().toordinal()
+    return int(os.environ.get("CHUNKSTATE_SEED", "0"), 0)
 
 
 def jobs() -> list[tuple[str, str, tuple, str]]:
@@ -150,7 +152,7 @@ def jobs() -> list[tuple[str, str, tuple, str]]:
             if every:
                 chosen.update({key: "all" for key in rest})
             elif rest:
-                start = (rotation() + slot) * ROTATING  # consecutive windows: all over the days
+                start = (rotation() + slot) * ROTATING  # consecutive windows: all over many seeds
                 for i in range(min(ROTATING, len(rest))):
                     chosen.setdefault(rest[(start + i) % len(rest)], "rotating")
             slot += 1
