@@ -13,7 +13,6 @@ states go, and the choice between the autotuner and an explicit config.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -21,17 +20,18 @@ import torch
 import triton
 
 from . import _host, _validate, tuning
-from .env import INTERPRET
 
-# Triton's interpreter keeps per-launch state in module globals: two threads launching at once can
-# fail inside it. Under the interpreter every launch of chunkstate's kernels takes this lock.
-_INTERPRETER_LOCK = threading.RLock()
+# One kernel launch at a time from this process's threads. Triton's autotuner keeps the arguments of
+# the call in flight on itself (``Autotuner.run`` sets ``self.nargs`` and resets it to None at the
+# end), so two threads launching one autotuned kernel at once break each other (seen on the H200:
+# "'NoneType' object is not a mapping"); the interpreter likewise keeps per-launch state in module
+# globals. The lock is held for the host side of a launch only (the GPU runs it asynchronously).
+_LAUNCH_LOCK = threading.RLock()
 
 
 def serialised():
-    """A context for one kernel launch: holds ``_INTERPRETER_LOCK`` under the interpreter, nothing
-    when compiled (compiled launches from several threads are Triton's and CUDA's business)."""
-    return _INTERPRETER_LOCK if INTERPRET else contextlib.nullcontext()
+    """The context every launch of chunkstate's kernels runs in: holds ``_LAUNCH_LOCK``."""
+    return _LAUNCH_LOCK
 
 
 @dataclass(frozen=True)

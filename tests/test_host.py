@@ -326,6 +326,8 @@ except ValueError as e:
 """
 
 
+@pytest.mark.skipif(ON_GPU, reason="numpy can write behind a CPU cu_seqlens only, and the kernels take CPU "
+                    "tensors only under the interpreter (the CUDA twin: the .data test below)")
 def test_offsets_changed_through_numpy_never_reach_a_kernel_unchecked():
     """Issue 22's reproducer, in a fresh interpreter process (it used to abort with "double free or
     corruption"): offsets changed through the numpy array behind a CPU ``cu_seqlens`` are checked
@@ -430,8 +432,9 @@ def test_chunk_local_cumsum_from_threads(device):
 
 
 def test_kernels_from_threads(device):
-    """Several threads calling the kernels at once get right answers (under the interpreter the
-    launches are serialised: ``launch.serialised``)."""
+    """Several threads calling the kernels at once get right answers: launches take one lock
+    (``launch.serialised``), since Triton's autotuner keeps the call in flight on itself and the
+    interpreter keeps launch state in globals (unguarded, 5 of 12 calls failed on the H200)."""
     lens = [9, 0, 20]
     k, v, g = _inputs(lens, 16, 16, device)
     cu = _cu(lens, device)
