@@ -158,3 +158,14 @@ def test_tma_kernels_read_no_scratch_byte_they_did_not_write():
         triton.set_allocator(tuning._torch_allocator)
     for a, b, name in zip(outs["zero"], outs["ones"], ("h", "ht", "dh")):
         assert torch.equal(a, b), f"{name} depends on what the scratch held"
+
+
+def test_summary_reads_the_error_count_not_the_unprinted_count():
+    """compute-sanitizer ends a noisy log with the count and then how many it did not print: the
+    summary line must quote the first (it quoted the second, 433,820 for 433,920, on the H200)."""
+    out = ("RESULT: 290 checks, 0 failures on cuda\n========= ERROR SUMMARY: 433920 errors\n"
+           "========= ERROR SUMMARY: 433820 errors were not printed. Use --print-limit option to adjust\n")
+    ok, line = sanitize._summary("initcheck", 1, out, 172.0, 400.0, "/tmp/initcheck.log")
+    assert not ok and "sanitizer errors 433920" in line
+    ok, line = sanitize._summary("memcheck", 0, OK_OUTPUT, 70.0, 400.0, "/tmp/memcheck.log")
+    assert ok and "sanitizer errors 0" in line
