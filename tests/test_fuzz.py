@@ -7,9 +7,11 @@ sequence pieces (forward: None, 1, 2, 3), explicit tile configs, and packed batc
 ``cu_seqlens`` hold empty, one-token and chunk-edge sequences — and checks every stored state
 against ``reference.recurrent_states`` / ``reference.state_grads`` (float64, natural-log gates).
 
-Hypothesis picks new cases every run (no fixed seed; its example database is off so nothing is
-written to the checkout). The tensors of a case come from a torch generator seeded by a drawn
-integer, so a failing case replays and shrinks exactly; its printed ``seed`` reproduces it.
+Hypothesis picks new cases every run: it is seeded from the session seed (``CHUNKSTATE_SEED``,
+printed in pytest's header; tests/conftest.py), so the same seed draws the same cases again; its
+example database is off, so nothing is written to the checkout. The tensors of a case come from a
+torch generator seeded by a drawn integer, so a failing case replays and shrinks exactly; its
+printed ``seed`` reproduces it.
 
 Run time: under the interpreter a program costs ~10-25 ms per chunk on this 2-core machine, so
 each drawn case is capped at ``MAX_WORK`` program-chunks (tiles × heads × chunks); the file runs
