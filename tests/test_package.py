@@ -292,3 +292,33 @@ def test_import_edges_on_a_small_package(tmp_path):
         "pkg.sub.c": {"pkg.sub.b", "pkg.pieces"},  # pkg and pkg.sub contain c: not edges
     }
     assert find_cycles(edges) == [["pkg", "pkg.a", "pkg.sub.b", "pkg"]]  # one cycle per component
+
+
+IMPORT_WITHOUT_DEVICE_CALLS = """
+import pkgutil, importlib, torch
+
+def refuse(*args, **kwargs):
+    raise AssertionError("a CUDA device was asked about at import time")
+
+for name in ("get_device_properties", "get_device_capability", "current_device", "get_device_name",
+             "synchronize", "set_device"):
+    setattr(torch.cuda, name, refuse)
+torch.cuda.is_available = lambda: True  # as on a GPU machine (TRITON_INTERPRET=1 keeps Triton off the GPU)
+import chunkstate
+names = ["chunkstate." + m.name for m in pkgutil.walk_packages(chunkstate.__path__) if not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module("chunkstate." + name if not name.startswith("chunkstate.") else name)
+print("imported", len(names), "modules")
+"""
+
+
+def test_importing_asks_no_device_anything():
+    """Importing every module of the package asks the CUDA device nothing (no properties, no
+    capability, no current device): ``tuning``'s SM count, shared memory and TMA answers are read at
+    the first launch. (``import chunkstate`` may ask ``torch.cuda.is_available()`` to pick the
+    interpreter; that creates no CUDA context.)"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", IMPORT_WITHOUT_DEVICE_CALLS], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "imported" in done.stdout
