@@ -36,7 +36,7 @@ from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, loa
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
 # miscompile this kernel on Hopper (fla keeps it dynamic for the same reason).
-@triton.jit(do_not_specialize=["T", "scale", "OCCUPANCY", "TMA_OK"])
+@triton.jit(do_not_specialize=["T", "scale", "OCCUPANCY", "TMA_OK", "SMEM"])
 def chunk_bwd_kernel_dh(
     q,  # [B, T, HQ, K]
     do,  # [B, T, HQ, V]  gradient of the outputs
@@ -55,6 +55,7 @@ def chunk_bwd_kernel_dh(
     T,
     OCCUPANCY,  # autotune key only, never specialised: N·H against the SM count (tuning.occupancy_bucket)
     TMA_OK,  # autotune key only: 1 when q, do, gk, gv can be read through TMA descriptors
+    SMEM,  # autotune key only: bytes of shared memory a block may use on this GPU (tuning.device_limits)
     H: tl.constexpr,
     NG: tl.constexpr,  # G: query heads per KV head (HQ = NG·H)
     K: tl.constexpr,
@@ -146,7 +147,7 @@ def chunk_bwd_kernel_dh(
 
 _tuned_backward = triton.autotune(
     configs=tuning.CONFIGS,
-    key=["K", "V", "NG", "BT", "BS", "OCCUPANCY", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
+    key=["K", "V", "NG", "BT", "BS", "OCCUPANCY", "TMA_OK", "SMEM", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
          "STATE_V_FIRST", "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES",
          "STORE_DECAY"],
     prune_configs_by={"early_config_prune": tuning.Pruner(chunk_bwd_kernel_dh)},

@@ -27,7 +27,7 @@ from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, ga
                            store_state)
 
 
-@triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK"])
+@triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK", "SMEM"])
 def chunk_fwd_kernel_h(
     k,  # [B, T, H, K]
     v,  # [B, T, H, V]
@@ -45,6 +45,7 @@ def chunk_fwd_kernel_h(
     T,
     OCCUPANCY,  # autotune key only, never specialised: N·H against the SM count (tuning.occupancy_bucket)
     TMA_OK,  # autotune key only: 1 when k, v, gk, gv can be read through TMA descriptors
+    SMEM,  # autotune key only: bytes of shared memory a block may use on this GPU (tuning.device_limits)
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -127,8 +128,8 @@ def chunk_fwd_kernel_h(
 
 _tuned_forward = triton.autotune(
     configs=tuning.CONFIGS,
-    key=["K", "V", "BT", "BS", "OCCUPANCY", "TMA_OK", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
-         "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
+    key=["K", "V", "BT", "BS", "OCCUPANCY", "TMA_OK", "SMEM", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
+         "STATE_V_FIRST", "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
     prune_configs_by={"early_config_prune": tuning.Pruner(chunk_fwd_kernel_h)},
     do_bench=tuning.autotune_timing,
 )(chunk_fwd_kernel_h)

@@ -153,6 +153,20 @@ def fits(cfg: triton.Config, K: int, V: int) -> bool:
         cfg.kwargs["BV"] <= max(16, triton.next_power_of_2(V))
 
 
+def fits_device(cfg: triton.Config, case: Case, on_gpu: bool) -> bool:
+    """On a GPU, whether the config's shared memory (``tuning.shared_memory`` for the case's gates,
+    chunk and input dtype) fits this GPU's (``tuning.device_limits``: an A100 or an RTX 4090 has
+    less than the H200); always True under the interpreter."""
+    if not on_gpu:
+        return True
+    device = tuning.device_limits("cuda" if torch.cuda.is_available() else None)
+    BK, BV, _, stages, use_tma = tuning.config_tuple(cfg)
+    need = tuning.shared_memory(BK, BV, stages, BT=case.BT, in_bytes=input_dtype(case, True).itemsize,
+                                g="g" in case.gates, gk="gk" in case.gates, gv="gv" in case.gates, tma=use_tma,
+                                device=device)
+    return need <= device.smem
+
+
 def _one_per_tile(configs):
     """One config per (BK, BV) and load kind (pointers or TMA): the deepest pipeline (most stages,
     then most warps)."""
@@ -188,7 +202,8 @@ def tma_allowed(case: Case, on_gpu: bool) -> bool:
 def configs_for(case: Case, quick: bool, on_gpu: bool | None = None) -> tuple[list[triton.Config], list[triton.Config]]:
     """The configs a case runs: (for the plain forward and the backward, for the pieces' passes),
     only ones the wrappers accept for it (tiles that fit K and V, TMA loads only where
-    ``tma_allowed``). ``on_gpu``: choose as on a GPU (default: whether this machine runs compiled).
+    ``tma_allowed``) and, on a GPU, that fit its shared memory (``fits_device``). ``on_gpu``:
+    choose as on a GPU (default: whether this machine runs compiled).
 
     Sweep case on a GPU: every valid config (``--quick``: one per tile shape); the pieces' two
     forward passes (two more specialisations per config) take one config per tile shape. Under
@@ -197,7 +212,8 @@ def configs_for(case: Case, quick: bool, on_gpu: bool | None = None) -> tuple[li
     tile (``--quick``: the large one)."""
     on_gpu = (DEVICE == "cuda") if on_gpu is None else on_gpu
     tma = tma_allowed(case, on_gpu)
-    valid = [c for c in tuning.ALL_CONFIGS if fits(c, case.K, case.V) and (tma or not c.kwargs.get("USE_TMA", False))]
+    valid = [c for c in tuning.ALL_CONFIGS if fits(c, case.K, case.V) and (tma or not c.kwargs.get("USE_TMA", False))
+             and fits_device(c, case, on_gpu)]
     if not valid:  # K, V <= 16: a 16-wide tile, as prune clips the candidates
         BK = min(32, max(16, triton.next_power_of_2(case.K)))
         BV = min(32, max(16, triton.next_power_of_2(case.V)))

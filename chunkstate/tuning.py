@@ -10,6 +10,15 @@ compiles and times only a handful of configs; ``Pruner`` compiles that handful s
 threads before the autotuner times them, and ``autotune_timing`` times each for 30 ms instead of
 Triton's 125.
 
+Candidates depend on the device (``Device``, ``device_limits``): each config's shared memory is
+estimated (``shared_memory``, an upper bound that tests/test_compile.py checks against the
+compiler for sm_75, sm_80, sm_86, sm_89 and sm_90), and a candidate that would not fit the shared
+memory a block may use on this GPU is replaced by its nearest version that does (fewer stages,
+then a halved tile: ``fit``). ``CHUNKSTATE_SMEM_LIMIT=<bytes>`` caps that memory (``smem_limit``),
+e.g. to see on an H200 what an RTX 4090 (99 KB) or an A100 (163 KB) user gets. The usable shared
+memory is part of the autotune key (``SMEM``), so two GPUs of different kinds in one process, or a
+changed cap, tune apart.
+
 Under Triton's interpreter ``@triton.autotune`` accepts one config only: ``CONFIGS`` collapses
 to a single one there (the tests run every config explicitly through the ``config=`` argument).
 
@@ -19,9 +28,11 @@ autotuner's rules*). Nothing here touches the GPU at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -83,6 +94,88 @@ def sm_count() -> int:
     if not torch.cuda.is_available():
         return H200_SMS
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the choice of configs needs to know of a GPU: its compute ``capability`` (major, minor)
+    and ``smem``, the bytes of shared memory one block may opt into
+    (``shared_memory_per_block_optin``)."""
+    capability: tuple[int, int]
+    smem: int
+
+    @property
+    def async_copies(self) -> bool:
+        """Whether Triton pipelines loads through shared memory here (``cp.async``, sm_80 and newer;
+        below, ``num_stages`` buffers nothing)."""
+        return self.capability >= (8, 0)
+
+
+H200 = Device((9, 0), 227 * 1024)  # assumed without a GPU (the interpreter), like H200_SMS
+# The GPUs learners have, by the limits that matter here (tests/test_compile.py compiles for each).
+TARGETS = {
+    "sm_75": Device((7, 5), 64 * 1024),  # T4, RTX 20xx
+    "sm_80": Device((8, 0), 163 * 1024),  # A100
+    "sm_86": Device((8, 6), 99 * 1024),  # RTX 30xx, A10, A40
+    "sm_89": Device((8, 9), 99 * 1024),  # RTX 40xx, L4, L40
+    "sm_90": H200,  # H100, H200
+}
+SMEM_LIMIT_ENV = "CHUNKSTATE_SMEM_LIMIT"
+
+
+def device_limits(device=None) -> Device:
+    """The ``Device`` of a CUDA ``device`` (default: the current one; the H200's without a GPU or
+    for a CPU tensor's device), with its shared memory capped by ``CHUNKSTATE_SMEM_LIMIT`` (bytes)
+    when that is set. The GPU is asked once per device index, at the first launch, never at import.
+    Raises ValueError for a cap that is not a positive integer."""
+    if device is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else None
+    else:
+        device = torch.device(device)
+        index = None if device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
+    found = _device_limits(index)
+    cap = os.environ.get(SMEM_LIMIT_ENV, "").strip()
+    if not cap:
+        return found
+    try:
+        cap_bytes = int(cap, 0)
+    except ValueError:
+        cap_bytes = 0
+    if cap_bytes <= 0:
+        raise ValueError(f"{SMEM_LIMIT_ENV} must be a positive number of bytes (e.g. {99 * 1024} for 99 KB), "
+                         f"got {cap!r}")
+    return replace(found, smem=min(found.smem, cap_bytes))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(index: int | None) -> Device:
+    if index is None or not torch.cuda.is_available():
+        return H200
+    props = torch.cuda.get_device_properties(index)
+    # what a block may opt into; where a torch build lacks that, the default per block (less, safe)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
+    return Device(tuple(torch.cuda.get_device_capability(index)), int(smem) or H200.smem)
+
+
+@contextlib.contextmanager
+def smem_limit(limit: int | None):
+    """Within the block, kernels choose configs as if a block had at most ``limit`` bytes of shared
+    memory (``CHUNKSTATE_SMEM_LIMIT``; None: no cap); the previous value is restored after. The
+    autotuner keys on the usable shared memory, so configs tuned under one cap are not reused
+    under another. Not thread-safe: it sets a process-wide environment variable."""
+    before = os.environ.get(SMEM_LIMIT_ENV)
+    if limit is None:
+        os.environ.pop(SMEM_LIMIT_ENV, None)
+    else:
+        os.environ[SMEM_LIMIT_ENV] = str(int(limit))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SMEM_LIMIT_ENV, None)
+        else:
+            os.environ[SMEM_LIMIT_ENV] = before
 
 
 N_BUCKETS = 5  # occupancy buckets: 0 .. 4
@@ -158,6 +251,55 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     if tma and bucket == 1:
         out.append((64, 64, 4, 4, True))
     return out
+
+
+def shared_memory(BK: int, BV: int, stages: int, *, BT: int = 64, in_bytes: int = 2, g: bool = False,
+                  gk: bool = False, gv: bool = False, tma: bool = False, device: Device = H200) -> int:
+    """Bytes of shared memory one program of either kernel needs with this config, an upper bound.
+
+    ``in_bytes``: the size of an element of k, v (q, do); ``g``, ``gk``, ``gv``: which gates are
+    given (``g_gamma`` loads nothing per chunk); ``tma``: the config loads through TMA descriptors.
+
+    Per chunk a program loads a [BK, BT] tile of k (q) and a [BT, BV] tile of v (do), fp32 tiles of
+    the same shapes of gk and gv, and a few vectors (g's BT values and Γ, the last rows of gk and gv).
+    From sm_80 on, Triton's software pipeliner copies the loads of the next ``stages - 1`` chunks
+    into shared memory ahead of use (``cp.async`` or TMA; below sm_80 it buffers nothing). On top of
+    that, the operands of the chunk's ``tl.dot`` are staged in shared memory in the inputs' dtype,
+    the scaled one (v, by a gate) sometimes in two copies, or, where that is larger, the fp32
+    [BK, BV] state is, converted between layouts: ::
+
+        (stages − 1) · loaded  +  max((BK + BV + max(BK, BV))·BT·in_bytes, 4·BK·BV)  (+ TMA barriers)
+
+    Every term is the most the compiler was seen to use: with 16-byte aligned inputs it pipelines
+    every load (misaligned ones less). The bound is loosest for the backward with several query
+    heads per KV head and a vector gate (up to 3.3× there: its inner loop over the heads buffers q and
+    do only), where a config may get fewer stages than would fit. tests/test_compile.py
+    checks the bound against ``triton.compile``'s ``metadata.shared`` for every config it compiles,
+    on each of ``TARGETS``."""
+    tiles = (BK + BV) * BT * in_bytes  # k (q) and v (do)
+    loaded = tiles + (4 * (BT + 1) if g else 0)  # g's values and Γ
+    loaded += (4 * BK * (BT + 1)) if gk else 0  # gk's tile and its last row
+    loaded += (4 * BV * (BT + 1)) if gv else 0
+    buffered = (stages - 1) * loaded if device.async_copies and stages > 1 else 0
+    staged = (BK + BV + max(BK, BV)) * BT * in_bytes  # the dot's operands, one of them twice
+    barriers = 64 * stages if tma else 0  # the TMA copies' mbarriers (measured 64·(stages − 2) bytes)
+    return buffered + max(staged, 4 * BK * BV) + barriers
+
+
+def fit(config: tuple[int, int, int, int, bool], device: Device, **shape) -> tuple[int, int, int, int, bool]:
+    """``config`` (BK, BV, num_warps, num_stages, USE_TMA) if its ``shared_memory`` (``shape``: the
+    keyword arguments BT, in_bytes, g, gk, gv) fits ``device``, else its nearest version that does:
+    the same tile with fewer stages (down to 2), then the tile's longer side halved (down to 16),
+    from the original stages again; one stage (no prefetch) only where even 16×16 with 2 does not fit."""
+    BK, BV, warps, stages, tma = config
+    tile = (BK, BV)
+    while True:
+        for s in range(stages, 1, -1):
+            if shared_memory(*tile, s, tma=tma, device=device, **shape) <= device.smem:
+                return (*tile, warps, s, tma)
+        if max(tile) <= 16:
+            return (*tile, warps, 1, tma)
+        tile = (tile[0] // 2, tile[1]) if tile[0] >= tile[1] else (tile[0], tile[1] // 2)
 
 
 def tma_device(device) -> bool:
@@ -265,21 +407,42 @@ def autotune_timing(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-def prune(configs, named_args, **kwargs):
-    """``early_config_prune`` for ``triton.autotune``: keep the key's candidates that fit K, V."""
+def prune(configs, named_args, device: Device | None = None, **kwargs):
+    """``early_config_prune`` for ``triton.autotune``: the key's ``candidates``, their tiles no wider
+    than K, V need, each one that would not fit the device's shared memory replaced by its nearest
+    version that does (``fit``). ``device``: the ``Device`` to choose for (default: ``device_limits``
+    of k's or q's device, its shared memory the key's ``SMEM`` where that is given; the tests pass
+    each of ``TARGETS``). The estimate reads the key's BT and gates and the dtype of k or q (a tensor
+    or a ``torch.dtype``; 2-byte inputs where neither is given)."""
     if len(configs) == 1:
         return configs
     args = {**named_args, **kwargs}
     K, V, bucket = args["K"], args["V"], args["OCCUPANCY"]
     tma = bool(args.get("TMA_OK", False))
     vector_gates = bool(args.get("USE_GK", False) or args.get("USE_GV", False))
+    inputs = args.get("k", args.get("q"))
+    if device is None:
+        device = device_limits(inputs.device if isinstance(inputs, torch.Tensor) else None)
+        if "SMEM" in args:  # the launch's key: prune for exactly what the tuned configs are stored under
+            device = replace(device, smem=args["SMEM"])
+    shape = dict(BT=args.get("BT", 64), in_bytes=_element_size(inputs), g=bool(args.get("USE_G", False)),
+                 gk=bool(args.get("USE_GK", False)), gv=bool(args.get("USE_GV", False)))
     want = []
     for BK, BV, w, s, use_tma in candidates(K, V, bucket, tma, vector_gates):
         BK = min(BK, max(16, _host.next_power_of_2(K)))
         BV = min(BV, max(16, _host.next_power_of_2(V)))
-        want.append((BK, BV, w, s, use_tma))
+        want.append(fit((BK, BV, w, s, use_tma), device, **shape))
     want = list(dict.fromkeys(want))
     kept = [c for c in configs if config_tuple(c) in want]
     have = {config_tuple(c) for c in kept}
     kept += [_config(*t) for t in want if t not in have]
     return kept
+
+
+def _element_size(x) -> int:
+    """Bytes per element of a tensor or a ``torch.dtype``; 2 (bf16 / fp16) for None."""
+    if isinstance(x, torch.Tensor):
+        return x.element_size()
+    if isinstance(x, torch.dtype):
+        return x.itemsize
+    return 2

@@ -215,11 +215,13 @@ def case_pieces(case: Case) -> int:
 
 def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
     """The configs (``tuning.config_tuple``) chunkstate's autotuner tries for one key of the
-    benchmark's bf16 inputs: TMA configs too where this machine's GPU has a TMA, none without a GPU.
-    Asks the device only for its compute capability."""
+    benchmark's bf16 inputs: TMA configs too where this machine's GPU has a TMA, none without a GPU;
+    fitted to this GPU's shared memory (an H200's without a GPU). Asks the device only for its
+    compute capability and shared memory."""
     tma = (torch.cuda.is_available() and tuning.tma_device("cuda")
            and tuning.tma_rows(K, IN_BYTES) and tuning.tma_rows(V, IN_BYTES))
-    args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": int(tma), "USE_GK": gate == "gk"}
+    args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": int(tma), "BT": BT, "k": torch.bfloat16,
+            "USE_" + gate.upper(): True}
     return [tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args)]
 
 

@@ -76,10 +76,14 @@ def bucket_of(row: dict) -> int:
 def candidate_names(K: int, V: int, num_heads_total: int) -> list[str]:
     """The configs the package's autotuner benchmarks on a first call for K, V and N·H heads:
     ``tuning.prune`` applied to ``tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it, for
-    pointer loads (the sweep timed no TMA config; on a Hopper GPU bucket 1 adds one)."""
+    the sweep's inputs (bf16, the gate g, chunks of 64) and pointer loads (the sweep timed no TMA
+    config; on a Hopper GPU bucket 1 adds one), fitted to this machine's GPU (an H200 without one)."""
+    import torch
+
     from .. import tuning
 
-    kept = tuning.prune(tuning.ALL_CONFIGS, {}, K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(num_heads_total))
+    kept = tuning.prune(tuning.ALL_CONFIGS, {}, K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(num_heads_total),
+                        BT=64, USE_G=True, k=torch.bfloat16)
     return list(dict.fromkeys(config_name(c) for c in kept))
 
 

@@ -49,6 +49,13 @@ def intensity(case) -> float:
     return flops(case) / total_bytes(case)
 
 
+def floor_ms(case, tbps: float) -> float:
+    """The floor of one call in ms: its unique bytes moved at ``tbps`` TB/s, the bandwidth of the
+    GPU it runs on (measured: ``chunkstate.bench.runner.copy_bandwidth()["tbps"]``; the H200's
+    copy reached 4.25 TB/s)."""
+    return total_bytes(case) / (tbps * 1e12) * 1e3
+
+
 def ridge(tflops: float = H200_BF16_TFLOPS, tbps: float = H200_HBM_TBPS) -> float:
     """The ridge point in FLOP/byte: below it a kernel is bound by memory, not by math."""
     return tflops / tbps
@@ -101,22 +108,24 @@ def sweep_rows(sweep: dict) -> list[dict]:
     return rows
 
 
-def draw_roofline(sweep: dict):
-    """Log-log roofline: attainable TFLOP/s against FLOP/byte, with each sweep shape's points."""
+def draw_roofline(sweep: dict, peak_tflops: float = H200_BF16_TFLOPS, hbm_tbps: float = H200_HBM_TBPS):
+    """Log-log roofline: attainable TFLOP/s against FLOP/byte, with each sweep shape's points.
+    ``peak_tflops`` / ``hbm_tbps``: the datasheet roofs of the sweep's GPU (an H200's by default);
+    the copy roof is the sweep's measured ``copy_bandwidth_TBps``."""
     import matplotlib.pyplot as plt
 
     copy = sweep["copy_bandwidth_TBps"]
     rows = sweep_rows(sweep)
     fig, ax = plt.subplots(figsize=(9, 5.6))
     x = [2.0 ** (e / 16) for e in range(2 * 16, 10 * 16 + 1)]  # 4 .. 1024, dense: the knees are exact
-    ax.plot(x, [min(H200_BF16_TFLOPS, H200_HBM_TBPS * i) for i in x], color="black", lw=1.5,
-            label=f"datasheet: {H200_BF16_TFLOPS:.0f} TFLOP/s bf16, {H200_HBM_TBPS} TB/s HBM")
-    ax.plot(x, [min(H200_BF16_TFLOPS, copy * i) for i in x], color="gray", lw=1.2, ls="--",
+    ax.plot(x, [min(peak_tflops, hbm_tbps * i) for i in x], color="black", lw=1.5,
+            label=f"datasheet: {peak_tflops:.0f} TFLOP/s bf16, {hbm_tbps} TB/s HBM")
+    ax.plot(x, [min(peak_tflops, copy * i) for i in x], color="gray", lw=1.2, ls="--",
             label=f"measured copy roof {copy:.2f} TB/s")
-    ax.axvline(ridge(), color="gray", lw=0.8, ls=":")
-    ax.axvline(ridge(0.9 * H200_BF16_TFLOPS), color="gray", lw=0.8, ls=":")
-    ax.text(ridge(0.9 * H200_BF16_TFLOPS) * 0.97, 1.3,
-            f"ridge {ridge(0.9 * H200_BF16_TFLOPS):.0f}–{ridge():.0f} FLOP/byte\n(90–100 % of peak)",
+    low, high = ridge(0.9 * peak_tflops, hbm_tbps), ridge(peak_tflops, hbm_tbps)
+    ax.axvline(high, color="gray", lw=0.8, ls=":")
+    ax.axvline(low, color="gray", lw=0.8, ls=":")
+    ax.text(low * 0.97, 1.3, f"ridge {low:.0f}–{high:.0f} FLOP/byte\n(90–100 % of peak)",
             fontsize=8, color="dimgray", ha="right")
     for i, r in enumerate(rows):
         color = f"C{i % 10}"
@@ -145,8 +154,9 @@ def draw_roofline(sweep: dict):
     return fig
 
 
-def draw_occupancy(sweep: dict):
-    """Bars of time / floor per shape (chunkstate's best config, fla), shapes by N·H."""
+def draw_occupancy(sweep: dict, sms: int = H200_SMS):
+    """Bars of time / floor per shape (chunkstate's best config, fla), shapes by N·H; ``sms``: the
+    sweep's GPU's multiprocessors (an H200's 132 by default), named in the title."""
     import matplotlib.pyplot as plt
 
     rows = sorted(sweep_rows(sweep), key=lambda r: (r["heads"], r["label"]))
@@ -162,7 +172,7 @@ def draw_occupancy(sweep: dict):
     ax.set_xticklabels([f"{r['label']}\nN·H = {r['heads']}\n{r['NT']} chunks\nfloor {r['floor_ms'] * 1e3:.0f} µs"
                         for r in rows], fontsize=7)
     ax.set_ylabel("time / floor (1 = copy roof)")
-    ax.set_title(f"The occupancy cliff: few (sequence, head) pairs leave most of the {H200_SMS} SMs idle "
+    ax.set_title(f"The occupancy cliff: few (sequence, head) pairs leave most of the {sms} SMs idle "
                  f"({sweep['device']}, {sweep['date']})", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
