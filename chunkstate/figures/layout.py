@@ -5,8 +5,10 @@ the flat grid of programs (chapter 05), a packed batch of ragged sequences and i
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import triton
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from ..explore import program_map
 from . import save
 
 _COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -59,8 +61,13 @@ def draw_state_tiles(K: int = 128, V: int = 128, BK: int = 64, BV: int = 64, BT:
     """Left: one chunk's update ``h += kᵀ v`` with the state cut into [BK, BV] tiles; tile (1, 0)
     reads only its BK columns of k and BV columns of v. Right: the flat 1-D grid — programs of
     one (sequence, head) are neighbours, decoded as ``i_nh = pid // (NK·NV)``,
-    ``i_k = (pid // NV) % NK``, ``i_v = pid % NV``."""
+    ``i_k = (pid // NV) % NK``, ``i_v = pid % NV``: each program's tile as the kernels' own
+    ``program_tile`` decodes it (``chunkstate.explore.program_map``)."""
     NK, NV = -(-K // BK), -(-V // BV)
+    # each program's tile as the kernels decode it (kernel_parts.program_tile, run by the program
+    # map over NH sequences of one head): the pids on the left, the grid on the right
+    table = program_map(NH, BT, 1, K, V, chunk_size=BT, config=triton.Config({"BK": BK, "BV": BV}))
+    pid_of = {(r["seq"], r["i_k"], r["i_v"]): r["pid"] for r in table.rows}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.5, 1]})
     s = 1.0 / 32  # drawing units per element
     hi_k, hi_v = min(1, NK - 1), 0  # the highlighted tile
@@ -80,7 +87,7 @@ def draw_state_tiles(K: int = 128, V: int = 128, BK: int = 64, BV: int = 64, BT:
             y = K * s - (i_k + 1) * BK * s
             on = (i_k, i_v) == (hi_k, hi_v)
             _cell(ax, x_h + i_v * BV * s, y, BV * s, BK * s, _COLORS[2] if on else "#bbbbbb",
-                  f"tile ({i_k}, {i_v})\npid {i_k * NV + i_v}", fontsize=8,
+                  f"tile ({i_k}, {i_v})\npid {pid_of[0, i_k, i_v]}", fontsize=8,
                   textcolor="white" if on else "black")
     ax.text(x_h + V * s / 2, -0.35, f"h  [K, V] = [{K}, {V}]\ntiles [BK, BV] = [{BK}, {BV}]",
             ha="center", va="top", fontsize=8)
@@ -90,9 +97,9 @@ def draw_state_tiles(K: int = 128, V: int = 128, BK: int = 64, BV: int = 64, BT:
     ax.axis("off")
     ax.set_title("a tile needs only its rows of kᵀ and its columns of v", fontsize=10)
     # right: the flat grid
-    n = NK * NV * NH
-    for pid in range(n):
-        i_nh, i_k, i_v = pid // (NK * NV), (pid // NV) % NK, pid % NV
+    n = len(table)
+    for r in table.rows:
+        pid, i_nh, i_k, i_v = r["pid"], r["seq"], r["i_k"], r["i_v"]
         _cell(ax2, 0, n - 1 - pid, 1.2, 1, _COLORS[3 + i_nh % 4], f"pid {pid}", fontsize=8)
         ax2.text(1.4, n - 1 - pid + 0.5, f"(sequence·head {i_nh}, tile ({i_k}, {i_v}))", va="center", fontsize=8)
     ax2.text(0, n + 0.6, f"grid = (NK·NV·N·H,) = ({NK}·{NV}·{NH},)", fontsize=9)
