@@ -21,8 +21,10 @@ import chunkstate
 from chunkstate import backward, explore, forward
 from chunkstate.bench import model
 from chunkstate.explore import programs, views
+from chunkstate.testing import check_close
 
 ON_GPU = chunkstate.DEVICE == "cuda"
+TOL = 1e-5 if chunkstate.INTERPRET else 2e-3  # the views run fp32 kernels: tf32 dots on a GPU
 
 
 def cfg(BK, BV):
@@ -318,14 +320,14 @@ SETTINGS = dict(lengths=(40, 0, 23, 1, 36), strength=0.1, chunk_size=16, split_s
 def test_kernel_states_match_the_loop(gate):
     s = views.states(**{**SETTINGS, "gate": gate})
     assert s["h_kernel"].shape == s["h_loop"].shape == (2 + 0 + 1 + 1 + 2, 16, 16)
-    assert torch.allclose(s["h_kernel"], s["h_loop"], rtol=1e-4, atol=1e-4)
-    assert torch.allclose(s["ht_kernel"], s["ht_loop"], rtol=1e-4, atol=1e-4)
+    check_close(s["h_kernel"], s["h_loop"], f"h with {gate}", tol=TOL)
+    check_close(s["ht_kernel"], s["ht_loop"], f"ht with {gate}", tol=TOL)
 
 
 def test_pieces_give_the_same_states():
     one = views.states(**{**SETTINGS, "lengths": (100,), "gate": "gk"})
     three = views.states(**{**SETTINGS, "lengths": (100,), "gate": "gk", "pieces": 3})
-    assert torch.allclose(one["h_kernel"], three["h_kernel"], rtol=1e-4, atol=1e-5)
+    check_close(three["h_kernel"], one["h_kernel"], "h with 3 pieces against 1", tol=TOL)
 
 
 def test_decay_weights_inside_a_chunk():
