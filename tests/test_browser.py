@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+import lab_server
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "notebooks/03a_explorer.ipynb"
 SCREENSHOT = ROOT / "figures" / "explorer_browser.png"
-START_TIMEOUT_S = 90
 RUN_TIMEOUT_S = 150  # every cell of the chapter, the interpreter on a loaded 2-core machine included
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -51,12 +48,6 @@ def chromium_path() -> str | None:
 CHROMIUM = chromium_path()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian: apt-get install chromium; "
                                                          ".ci/run installs it where it runs as root)")
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(base: str, token: str, path: str, body: dict | None = None):
@@ -81,41 +72,10 @@ def jupyter_lab(tmp_path):
         path = tmp_path / "settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    port, token = free_loopback_port(), secrets.token_hex(16)
-    env = {**os.environ,  # TRITON_INTERPRET as chunkstate set it here: the notebook's kernel runs the same way
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")}
-    log_path = tmp_path / "jupyter.log"
-    log = open(log_path, "wb")
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}", "--port-retries=0",
-           "--ServerApp.ip=127.0.0.1", f"--ServerApp.token={token}", f"--ServerApp.root_dir={served}"]
-    proc = subprocess.Popen(cmd, cwd=served, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"jupyter lab exited with code {proc.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                api(base, token, "/api/status")
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"jupyter lab did not answer within {START_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
-        yield base, token
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
+    env = {  # TRITON_INTERPRET as chunkstate set it here: the notebook's kernel runs the same way
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with lab_server.running(served, tmp_path, env) as running:
+        yield running
 
 
 def wait_for(predicate, timeout: float, what: str, page):
