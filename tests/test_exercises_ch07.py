@@ -57,12 +57,25 @@ def test_prune_wrong_answer_rejected(wrong):
 
 
 def test_prune_reading_only_named_args_fails():
-    """chunk_fwd_h launches with keyword arguments, so K is not in named_args: a KeyError."""
+    """chunk_fwd_h launches with keyword arguments, so K is not in named_args: the checker says
+    where K arrives instead of letting a bare KeyError: 'K' out."""
     def positional_only(configs, named_args, **kwargs):
         return ex.prune_to_fit(configs, named_args)
 
-    with pytest.raises(KeyError):
+    with pytest.raises(AssertionError, match="passed by keyword raised KeyError") as e:
         ex.check_prune(positional_only)
+    assert "looked the argument up in named_args" in str(e.value)
+    assert "{**named_args, **kwargs}" in str(e.value)
+
+
+def test_prune_reading_only_kwargs_fails():
+    """The other way round: K passed by position is in named_args, not in kwargs."""
+    def keyword_only(configs, named_args, **kwargs):
+        return ex.prune_to_fit(configs, {}, **kwargs)
+
+    with pytest.raises(AssertionError, match="passed by position raised KeyError") as e:
+        ex.check_prune(keyword_only)
+    assert "looked the argument up in kwargs" in str(e.value)
 
 
 # ---- pick_candidates ----

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -95,25 +96,65 @@ def final_state(k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch
     return ht
 
 
+def _with_guard(shape, guard: int, fill: float):
+    """A contiguous fresh ``torch.randn(shape)`` on DEVICE followed in memory by ``guard`` elements
+    set to ``fill``: what a load past the end of the tensor reads. Returns (tensor, guard)."""
+    n = 1
+    for d in shape:
+        n *= d
+    flat = torch.empty(n + guard, device=DEVICE)
+    x = flat[:n].view(shape)
+    x.copy_(torch.randn(shape, device=DEVICE))
+    tail = flat[n:]
+    tail.fill_(fill)
+    return x, tail
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN in the same places counting as equal."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _call(fn, *args):
+    """Run the reader's function with outputs NaN-filled. A kernel that reads past the end of the
+    sequence multiplies whatever lies there: numpy's overflow warnings under the interpreter say
+    nothing the checker's message does not, so they are silenced here."""
+    with nan_poisoned_empty(), np.errstate(over="ignore", invalid="ignore"):
+        return fn(*args)
+
+
 def check_final_state(fn=None) -> None:
     """Test ``fn(k, v, chunk_size) -> ht`` (default: the shipped solution) on fresh random inputs:
     one token, a ragged last chunk, an exact number of chunks, K != V.
 
     Outputs are allocated NaN-filled (``torch.empty`` is poisoned during the call), so an element
-    the kernel never writes fails. Raises ``AssertionError`` naming the shape; an exception raised
-    inside ``fn`` propagates unchanged.
+    the kernel never writes fails. The memory right after ``k`` and ``v`` holds NaN; when the check
+    fails and the result changes once that memory holds zeros instead, the kernel read past the end
+    of the sequence (the ragged last chunk's loads are not masked), and the message says so.
+    Raises ``AssertionError`` naming the shape; an exception raised inside ``fn`` propagates
+    unchanged.
     """
     fn = final_state if fn is None else fn
     name = getattr(fn, "__name__", "your function")
     cases = [(1, 1, 1, 16, 16, 16), (2, 50, 2, 16, 32, 16), (1, 64, 3, 32, 16, 32), (2, 37, 1, 32, 32, 16)]
     for B, T, H, K, V, BT in cases:
-        k = torch.randn(B, T, H, K, device=DEVICE)
-        v = torch.randn(B, T, H, V, device=DEVICE)
-        with nan_poisoned_empty():
-            ht = fn(k, v, BT)
+        guard = BT * H * max(K, V)  # more than an unmasked last chunk can reach past the end
+        k, k_tail = _with_guard((B, T, H, K), guard, float("nan"))
+        v, v_tail = _with_guard((B, T, H, V), guard, float("nan"))
+        ht = _call(fn, k, v, BT)
         if not isinstance(ht, torch.Tensor):
             raise AssertionError(f"{name} must return a tensor ht, got {type(ht).__name__}")
         _, ht_ref = chunked_states(k, v, chunk_size=BT)
-        check_close(ht, ht_ref, f"{name}: ht (B={B}, T={T}, H={H}, K={K}, V={V}, BT={BT})",
-                    tol=state_tolerance(torch.float32))
+        what = f"{name}: ht (B={B}, T={T}, H={H}, K={K}, V={V}, BT={BT})"
+        try:
+            check_close(ht, ht_ref, what, tol=state_tolerance(torch.float32))
+        except AssertionError as e:
+            k_tail.zero_(), v_tail.zero_()
+            if ht.shape == ht_ref.shape and not _same(ht, _call(fn, k, v, BT)):
+                raise AssertionError(
+                    f"{what}: the result depends on the memory after the last token of k and v — the kernel "
+                    f"reads past the end of the sequence. Mask the loads of the last, ragged chunk"
+                    + (f" (T = {T} is not a multiple of BT = {BT})" if T % BT else "")
+                    + ": mask=rows < T, other=0.0") from None
+            raise
     print(f"{name} agrees with the chunked reference on {len(cases)} shapes")

@@ -58,8 +58,9 @@ def check_prune(fn=None) -> None:
     below 16 and above 128, with K, V passed by position and by keyword (beside other arguments).
 
     Raises ``AssertionError`` naming K, V, how they were passed and the configs wrongly kept or
-    dropped; an exception raised inside ``fn`` (such as ``NotImplementedError`` from the stub, or a
-    ``KeyError`` from looking K up in the wrong place) propagates unchanged.
+    dropped, or, when ``fn`` raises ``KeyError`` (K looked up where it did not arrive), saying where
+    arguments passed by position and by keyword arrive; any other exception raised inside ``fn``
+    (such as ``NotImplementedError`` from the stub) propagates unchanged.
     """
     fn = prune_to_fit if fn is None else fn
     name = getattr(fn, "__name__", "your function")
@@ -73,7 +74,15 @@ def check_prune(fn=None) -> None:
             others = dict(T=1000, H=4, BT=64, OCCUPANCY=1, k=None)
             for how, call in [("by position", lambda: fn(list(configs), {"K": K, "V": V, "T": 1000})),
                               ("by keyword", lambda: fn(list(configs), {}, K=K, V=V, **others))]:
-                got = call()
+                try:
+                    got = call()
+                except KeyError as e:
+                    where = "named_args" if how == "by keyword" else "kwargs"
+                    raise AssertionError(
+                        f"{name}: K={K}, V={V} passed {how} raised KeyError({e}): it looked the argument up in "
+                        f"{where}, where it is not. Arguments passed by position arrive in named_args, those "
+                        f"passed by keyword in kwargs (chunk_fwd_h launches by keyword, so named_args is empty "
+                        f"there): read K and V from {{**named_args, **kwargs}}") from e
                 if not isinstance(got, list):
                     raise AssertionError(f"{name} must return a list of configs, got {type(got).__name__}")
                 if not got:
