@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from chunkstate import reference
 from chunkstate.gates import prepare_chunk_offsets
-from chunkstate.testing import check_close
+from chunkstate.testing import Check, check_close
 
 f64 = torch.float64
 TOL = 1e-10  # float64 against float64: rounding only
@@ -345,3 +345,37 @@ def test_conftest_poisons_empty_with_nan():
     assert torch.isnan(torch.empty(3, 4)).all()
     assert torch.isnan(torch.empty_like(torch.zeros(5, dtype=torch.float16))).all()
     assert torch.empty(3, dtype=torch.long).shape == (3,)  # integer tensors are left alone
+
+
+# ---------------------------------------------------------------------------------------------
+# check_close: the labelled line a notebook cell shows
+# ---------------------------------------------------------------------------------------------
+
+def test_check_close_shows_a_labelled_line_and_stays_a_number():
+    ref = torch.randn(6, 5, dtype=f64)
+    out = ref + 1e-9 * torch.randn(6, 5, dtype=f64)
+    err = check_close(out, ref, "h: chunked form vs token loop", 1e-6)
+    exact = (out - ref).norm().item() / ref.norm().item()
+    shown = repr(err)
+    assert isinstance(err, Check) and isinstance(err, float)
+    assert shown.startswith("h: chunked form vs token loop: "), shown  # what was compared
+    assert f"rel. error {exact:.1e}".replace("e-0", "e-") in shown, shown  # the error
+    assert "< 1e-6" in shown and shown.endswith("✓"), shown  # the tolerance
+    assert str(err) == shown and f"{err}" == shown
+    # a number for the callers that compute with it
+    assert err == exact and err < 1e-6 and 2 * err == 2 * exact and f"{err:.3e}" == f"{exact:.3e}"
+    assert type(err + 0) is float
+    zero = check_close(ref, ref.clone(), "o: kernel vs loop", 2.5e-3)
+    assert repr(zero) == "o: kernel vs loop: rel. error 0 < 0.0025 ✓"
+
+
+def test_check_close_labelled_line_is_what_ipython_displays():
+    formatters = pytest.importorskip("IPython.core.formatters")
+    err = check_close(torch.ones(3), torch.ones(3), "dh0: kernel vs autograd", 1e-12)
+    assert formatters.PlainTextFormatter()(err) == "dh0: kernel vs autograd: rel. error 0 < 1e-12 ✓"
+
+
+def test_check_close_failure_names_what_the_error_and_the_tolerance():
+    ref = torch.ones(4, dtype=f64)
+    with pytest.raises(AssertionError, match=r"^ht: loop vs chunked: relative error 1\.000e-01 is not below 1\.0e-03$"):
+        check_close(ref * 1.1, ref, "ht: loop vs chunked", 1e-3)
