@@ -11,14 +11,15 @@ with ``G``, ``Gv`` the chunk-local log2 cumulative gates and ``Γ``, ``Γv`` the
 
 **Exercise.** Write ``chunk_grads(h, dh, q, k, v, do, gk, scale) -> (dq, dk, dv)``: the gradients of
 one chunk's queries, keys and values, given the state entering the chunk ``h`` = h[n] and the
-gradient of the state leaving it ``dh`` = dh[n], with GLA's key gate ``gk`` (natural log)::
+gradient of the state leaving it ``dh`` = dh[n], with GLA's key gate ``gk`` (natural log per
+token; ``G`` its chunk-local cumulative sum in log2 units)::
 
-    G_i    = Σ_{s<=i} gk_s  (chunk-local),  Γ = G_{L-1}
-    P_ij   = Σ_k q_ik k_jk e^{G_ik − G_jk}          (j <= i)
+    G_i    = log2(e) · Σ_{s<=i} gk_s  (chunk-local),  Γ = G_{L-1}
+    P_ij   = Σ_k q_ik k_jk 2^{G_ik − G_jk}          (j <= i)
     dA_ij  = scale · do_i · v_j                      (j <= i)
-    dq_i   = scale · e^{G_i} ⊙ (h do_i)  +  Σ_{j<=i} dA_ij (k_j ⊙ e^{G_i − G_j})
-    dk_j   = e^{Γ − G_j} ⊙ (dh v_j)      +  Σ_{i>=j} dA_ij (q_i ⊙ e^{G_i − G_j})
-    dv_j   = (k_j ⊙ e^{Γ − G_j})ᵀ dh      +  scale · Σ_{i>=j} P_ij do_i
+    dq_i   = scale · 2^{G_i} ⊙ (h do_i)  +  Σ_{j<=i} dA_ij (k_j ⊙ 2^{G_i − G_j})
+    dk_j   = 2^{Γ − G_j} ⊙ (dh v_j)      +  Σ_{i>=j} dA_ij (q_i ⊙ 2^{G_i − G_j})
+    dv_j   = (k_j ⊙ 2^{Γ − G_j})ᵀ dh      +  scale · Σ_{i>=j} P_ij do_i
 
 Shapes (float32): ``h``, ``dh`` [B,H,K,V]; ``q``, ``k``, ``gk`` [B,L,H,K]; ``v``, ``do`` [B,L,H,V]
 (1 <= L <= BT). Returns ``dq``, ``dk`` [B,L,H,K] and ``dv`` [B,L,H,V]: the gradients of the whole
@@ -32,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..gates import chunk_local_cumsum, prepare_chunk_offsets
+from ..gates import RCP_LN2, chunk_local_cumsum, prepare_chunk_offsets
 from ..reference import recurrent_outputs, recurrent_states, state_grads
 from ..testing import check_close
 
@@ -44,7 +45,8 @@ def chunked_state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, dht
     """The reverse chunk scan in PyTorch: ``dh`` [B, NS, H, K, V] and ``dh0`` [N, H, K, V].
 
     Args:
-        q: [B, T, HQ, K], do: [B, T, HQ, V] (HQ = G·H: query head j reads KV head j // G);
+        q: [B, T, HQ, K], do: [B, T, HQ, V] (HQ a multiple of H: with group = HQ // H, query
+            head j reads state head j // group);
             k: [B, T, H, K], v: [B, T, H, V] give H and V only (the scan never reads them).
         g [B,T,H], g_gamma [H], gk [B,T,H,K], gv [B,T,H,V]: *natural-log* per-token gates, as the
             reference takes them; made into chunk-local log2 cumsums here, like the kernels get.
@@ -79,7 +81,7 @@ def chunked_state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, dht
         a = a + gk
     G = chunk_local_cumsum(a, BT, cu_seqlens, dtype=dtype)  # [B, T, H, K] log2, restarts every chunk
     Gv = chunk_local_cumsum(gv, BT, cu_seqlens, dtype=dtype) if gv is not None else None  # [B, T, H, V]
-    qs = q.to(dtype).view(B, T, H, NG, K) * scale  # a KV head's G query heads side by side
+    qs = q.to(dtype).view(B, T, H, NG, K) * scale  # a state head's NG = HQ // H query heads side by side
     dos = do.to(dtype).view(B, T, H, NG, V)
 
     if cu_seqlens is None:
@@ -127,17 +129,17 @@ CASES = [  # (B, T, H, K, V, BT)
 def chunk_grads(h, dh, q, k, v, do, gk, scale):
     """The shipped solution (see the module docstring for the formulas and shapes)."""
     L = q.shape[1]
-    G = gk.cumsum(1)  # [B, L, H, K]
+    G = RCP_LN2 * gk.cumsum(1)  # [B, L, H, K] chunk-local, log2 units
     Gamma = G[:, -1]  # [B, H, K]
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [i, j]: j <= i
     diff = (G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
-    W = torch.exp(diff)  # [B, i, j, H, K]: e^{G_i − G_j}, 0 where j > i
+    W = torch.exp2(diff)  # [B, i, j, H, K]: 2^{G_i − G_j}, 0 where j > i
     P = torch.einsum("bihk,bjhk,bijhk->bhij", q, k, W)  # [B, H, L, L]
     dA = scale * torch.einsum("bihv,bjhv->bhij", do, v) * causal  # [B, H, L, L]
-    k_out = k * torch.exp(Gamma[:, None] - G)  # k_j ⊙ e^{Γ − G_j}: how k_j reaches the next chunk
-    dq = scale * torch.exp(G) * torch.einsum("bhkv,bihv->bihk", h, do) \
+    k_out = k * torch.exp2(Gamma[:, None] - G)  # k_j ⊙ 2^{Γ − G_j}: how k_j reaches the next chunk
+    dq = scale * torch.exp2(G) * torch.einsum("bhkv,bihv->bihk", h, do) \
         + torch.einsum("bhij,bjhk,bijhk->bihk", dA, k, W)
-    dk = torch.exp(Gamma[:, None] - G) * torch.einsum("bhkv,bjhv->bjhk", dh, v) \
+    dk = torch.exp2(Gamma[:, None] - G) * torch.einsum("bhkv,bjhv->bjhk", dh, v) \
         + torch.einsum("bhij,bihk,bijhk->bjhk", dA, q, W)
     dv = torch.einsum("bjhk,bhkv->bjhv", k_out, dh) + scale * torch.einsum("bhij,bihv->bjhv", P, do)
     return dq, dk, dv
