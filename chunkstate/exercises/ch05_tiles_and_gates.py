@@ -10,9 +10,9 @@
    [B, T, H, K], ``v`` [B, T, H, V] fp32; ``gv`` [B, T, H, V] the *chunk-local cumulative sum in
    log2 units* of a natural-log gate (``gates.chunk_local_cumsum(gv, chunk_size)``); BK, BV powers
    of two >= 16 (K, V any size). Returns ``h`` [B, NT, H, K, V] (fp32), ``h[:, n]`` the state
-   entering chunk n. Per chunk, with ``Γ = G[last valid token]``::
+   entering chunk n. Per chunk, with ``G_v`` the given cumsum and ``Γ_v = G_v[last valid token]``::
 
-       h  ←  h · diag(2^{Γ})  +  kᵀ (v ⊙ 2^{Γ − G})
+       h  ←  h · diag(2^{Γ_v})  +  kᵀ (v ⊙ 2^{Γ_v − G_v})
 """
 from __future__ import annotations
 
