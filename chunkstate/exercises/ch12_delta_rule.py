@@ -3,13 +3,13 @@
 Write ``ut_transform(k, beta) -> T``: for one chunk of L tokens of one head, keys ``k`` [L, K] and
 write strengths ``beta`` [L] (float64), return the lower-triangular ``T`` [L, L] with::
 
-    T = (I + tril(diag(β) K Kᵀ, −1))⁻¹ diag(β)
+    T = (I + tril(diag(β) k kᵀ, −1))⁻¹ diag(β)
 
-so that the chunk's pseudo-values are ``U = T (V − K h)`` for any values ``V`` [L, V] and entering
+so that the chunk's pseudo-values are ``U = T (v − k h)`` for any values ``v`` [L, V] and entering
 state ``h`` [K, V]. Solve the unit lower-triangular system (``torch.linalg.solve_triangular``) or
 run the forward substitution ``u_t = β_t (x_t − Σ_{s<t} (k_tᵀ k_s) u_s)`` row by row; both are
 fine. The checker compares ``T`` with ``chunkstate.delta.ut_transform`` and checks what ``T`` is
-for: ``h + Kᵀ T (V − K h)`` is the state the token loop reaches after the chunk.
+for: ``h + kᵀ T (v − k h)`` is the state the token loop reaches after the chunk.
 """
 from __future__ import annotations
 
@@ -47,5 +47,5 @@ def check_ut_transform(fn=None) -> None:
         _, _, after = recurrent_delta(torch.zeros(1, L, 1, K), k[None, :, None], v[None, :, None],
                                       beta[None, :, None], h[None, None], chunk_size=L)
         check_close(h + k.T @ (T.to(torch.float64) @ (v - k @ h)), after[0, 0],
-                    f"{name}: h + Kᵀ T (V − K h) vs the token loop's state after the chunk ({where})", 1e-10)
+                    f"{name}: h + kᵀ T (v − k h) vs the token loop's state after the chunk ({where})", 1e-10)
     print(f"{name} gives the UT transform of {len(CASES)} chunks, and the token loop's state after each")
