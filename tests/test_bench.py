@@ -194,7 +194,8 @@ def test_figures_main_redraws_from_reports(tmp_path, monkeypatch):
 def test_estimate_counts():
     cases = bench.make_cases()
     est = bench.estimate(cases)
-    fla_specs = {(c.direction, c.gate, c.states, c.split, c.shape.D, c.shape.lens is not None) for c in cases}
+    fla_specs = {(c.direction, c.gate, c.states, c.split, c.shape.K, c.shape.V, c.final, c.shape.lens is not None)
+                 for c in cases}
     assert est["compiles"]["fla"] == 8 * len(fla_specs)
     assert est["tune_benchmarks"]["fla"] == 8 * len(cases)
     assert est["measurements"] == 2 * len(cases) and est["shapes"] == len(bench.SHAPES)
@@ -499,3 +500,126 @@ def test_gla_table():
     assert "0.10" in lines[3] and "fla faster" in lines[3]
     assert "fla not importable" in gla.format_gla({"chunkstate": {"fwd": 1.0, "fwd+bwd": 2.0},
                                                    "fla": "fla not importable (x)"})
+
+
+# -- the random-shape mode (--random SEED)
+
+def test_random_shapes_are_reproducible_and_cover_the_distribution():
+    draws = bench.random_shapes(11, 400)
+    assert draws == bench.random_shapes(11, 400)  # the seed fixes the draws
+    assert draws[:30] != bench.random_shapes(12, 30)
+    packed = [s for s, _ in draws if s.lens]
+    for shape, gate in draws:
+        assert gate in bench.GATES
+        assert shape.H in bench.RANDOM_HEADS and shape.K in bench.RANDOM_DIMS and shape.V in bench.RANDOM_DIMS
+        assert 8192 <= shape.B * shape.T <= 131072
+        if shape.lens:
+            assert shape.B == 1 and 2 <= len(shape.lens) <= 64 and min(shape.lens) >= 1
+            assert sum(shape.lens) == shape.T
+        else:
+            assert 1 <= shape.B <= 256 and 512 <= shape.T <= 131072
+        assert bench.n_splits(shape, bench.BT) * shape.H * shape.K * shape.V * 2 <= bench.RANDOM_MAX_STATE_BYTES
+    assert 0.18 < len(packed) / len(draws) < 0.32  # a quarter packed
+    assert {g for _, g in draws} == set(bench.GATES)
+    assert any(s.K != s.V for s, _ in draws) and any(s.K == s.V for s, _ in draws)
+    assert min(s.B for s, _ in draws) == 1 and max(s.B for s, _ in draws) > 64
+    assert min(s.H for s, _ in draws) == 1 and max(s.H for s, _ in draws) == 64
+    assert any(max(s.lens) > 4 * min(s.lens) for s in packed)  # uneven lengths
+
+
+def test_random_cases_and_their_bytes():
+    cases = bench.random_cases(5, 7)
+    assert len(cases) == 14 and all(c.final for c in cases)
+    assert [c.direction for c in cases[:2]] == ["fwd", "bwd"] and cases[0].shape == cases[1].shape
+    s = Shape(2, 1000, 3, 64, 256)
+    tokens = 2 * 1000 * 3
+    one_state = 2 * 3 * 64 * 256 * 4
+    fwd = bench.unique_bytes(Case(s, "fwd", gate="g_gamma", final=True))
+    assert fwd == {"k": tokens * 64 * 2, "v": tokens * 256 * 2, "g_gamma": 3 * 4,
+                   "h": 2 * 16 * 3 * 64 * 256 * 2, "ht": one_state}
+    bwd = bench.unique_bytes(Case(s, "bwd", gate="none", final=True))
+    assert bwd == {"q": tokens * 64 * 2, "do": tokens * 256 * 2, "dht": one_state,
+                   "dh": 2 * 16 * 3 * 64 * 256 * 2, "dh0": one_state}
+    assert Case(s, "bwd", final=True).label == "B2 T1000 H3 K64 V256 bwd g bf16 dht"
+    with pytest.raises(ValueError, match="gate must be one of"):
+        Case(s, "fwd", gate="gv")
+
+
+def test_explicit_pieces_only_below_two_waves():
+    full = Case(Shape(8, 4096, 16), "fwd")  # 512 programs of 64x64 tiles
+    assert bench.programs_64(full.shape) == 512 and bench.explicit_pieces(full, 132) == []
+    small = Case(Shape(1, 20000, 2, 64, 64), "bwd")  # 2 programs, 20k tokens
+    assert bench.explicit_pieces(small, 132) == [1, 2, 4, 8, 16]  # pieces of >= 1,024 tokens
+    assert bench.explicit_pieces(Case(Shape(1, 1500, 2), "fwd"), 132) == [1]
+
+
+def test_run_case_times_the_explicit_piece_counts(monkeypatch):
+    calls = []
+
+    def fake_timed(lib, jit, case, inp, **extra):
+        calls.append(extra)
+        return {"first_call_s": 1.0, "compiled": 0, "ms": {None: 1.1, 1: 1.0, 2: 1.5}[extra.get("pieces")]}, None
+
+    monkeypatch.setattr(runner, "_timed", fake_timed)
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
+    r = runner.run_case(Case(Shape(1, 8192, 2), "fwd"), None, libs, copy_tbps=4.0, explore=[1, 2])
+    assert calls == [{}, {"pieces": 1}, {"pieces": 2}]
+    assert r["pieces_ms"] == {"1": 1.0, "2": 1.5} and r["ours_one_pass"]["ms"] == 1.0
+    assert r["auto_over_best"] == pytest.approx(1.1)  # its own choice 10 % slower than pieces=1
+
+
+def _random_report():
+    shape_a, shape_b = Shape(1, 8192, 2, 64, 128), Shape(1, 9000, 4, lens=(1000, 8000))
+    rows = [(Case(shape_a, "fwd", final=True), 0.10, 0.12, {"1": 0.10, "2": 0.2}),
+            (Case(shape_a, "bwd", final=True), 0.10, 0.05, {"1": 0.09}),
+            (Case(shape_b, "fwd", gate="gk", final=True), 0.20, 0.196, None),
+            (Case(shape_b, "bwd", gate="gk", final=True), 0.20, None, None)]
+    results = []
+    for case, ours, fla, explored in rows:
+        r = bench.new_result(case, 1)
+        r["ours"] = {"ms": ours}
+        if fla:
+            r["fla"] = {"ms": fla, "valid": True}
+        if explored:
+            r["pieces_ms"] = explored
+        results.append(bench.derive(r, 4.0))
+    meta = {"date": "2026-12-04T00:00:00+00:00", "device": {"name": "NVIDIA H200", "sms": 132},
+            "versions": {"torch": "2.11", "triton": "3.6.0", "fla": "0.6.0"},
+            "random": {"seed": 9, "n": 2, "distribution": bench.RANDOM_DISTRIBUTION}}
+    return {"meta": meta, "cases": results}
+
+
+def test_random_summary_counts():
+    report = _random_report()
+    s = bench.random_summary(report)
+    # fla/ours: 1.2, 0.5, 0.98 (a win at >= 0.97), and one case without fla
+    assert (s["cases"], s["compared"], s["wins"]) == (4, 3, 2)
+    assert s["geomean"] == pytest.approx((1.2 * 0.5 * 0.98) ** (1 / 3))
+    assert s["worst"][0] == pytest.approx(0.5) and "bwd" in s["worst"][1]
+    assert (s["pieces_explored"], s["pieces_ok"]) == (2, 1)  # 0.10 vs 0.10 fine, 0.10 vs 0.09 is 11 % off
+    assert s["pieces_worst"][0] == pytest.approx(0.10 / 0.09)
+    line = bench.format_random_summary(report)
+    assert line.startswith("random seed 9, 2 shapes, 4 cases: chunkstate >= 0.97× fla in 2/3 (67 %)")
+    assert "worst 0.50 (" in line and "in 1/2 (50 %), worst 1.11×" in line
+
+
+def test_random_report_figure(tmp_path):
+    report = _random_report()
+    path = bench.write_png(report, tmp_path / "bench_h200_random_s9.png")
+    assert path.stat().st_size > 10_000
+    fig = speed.draw_random(report)
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert any("fla time / chunkstate time" in y for y in labels) and any("time / floor" in y for y in labels)
+    assert "seed 9" in fig._suptitle.get_text()
+
+
+def test_random_cli_plans_and_shards(capsys):
+    assert cli.main(["--random", "3", "--n", "4", "--plan"]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines() if " ht" in l or " dht" in l]
+    assert len(rows) == 8
+    assert cli.main(["--random", "3", "--n", "4", "--shard", "1/2", "--plan"]) == 0
+    half = [l for l in capsys.readouterr().out.splitlines() if " ht" in l or " dht" in l]
+    assert len(half) == 4 and set(half) <= set(rows)
+    assert cli.main(["--random", "3", "--shard", "2/2", "--plan"]) == 2
+    assert cli.main(["--random", "3", "--n", "0", "--plan"]) == 2
+    assert "shard" in capsys.readouterr().err

@@ -9,6 +9,12 @@ Modes:
   --sweep   every config of tuning.ALL_CONFIGS (through config=, with pieces=1) on a few shapes,
             fwd and bwd: the timings tuning.candidates is chosen from.
   --gla     chunkstate.chunk_gla against fla's chunk_gla, forward and forward + backward.
+  --random SEED [--n N]
+            N shapes (default 30) drawn at random by SEED from realistic model sizes
+            (model.RANDOM_DISTRIBUTION: 8k-128k tokens, B 1-256, T 512-128k, H 1-64, K, V in
+            {64, 128, 256}, gates none / g / gk / g_gamma, a quarter packed), fwd and bwd with
+            final states; where one pass has under two waves of programs, explicit piece counts
+            are timed too, to judge chunkstate's own choice. Files: bench_h200_random_s<SEED>.*
   --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
 
 Per case: the median of triton.testing.do_bench(warmup=10, rep=50) for chunkstate and fla, the
@@ -32,7 +38,13 @@ import torch
 import triton
 
 from ..env import INTERPRET
-from .model import FLA_CONFIGS, SHAPES, SWEEP_SHAPES, estimate, format_plan, make_cases, select_shapes, sweep_estimate
+from .model import (FLA_CONFIGS, RANDOM_DISTRIBUTION, SHAPES, SWEEP_SHAPES, estimate, format_plan, make_cases,
+                    random_cases, select_shapes, sweep_estimate)
+
+
+def select_cases(cases, wanted):
+    """The cases whose shape's label contains one of the ``wanted`` substrings (all when None)."""
+    return cases if not wanted else [c for c in cases if any(w in c.shape.label for w in wanted)]
 
 
 def parse_args(argv=None):
@@ -44,6 +56,8 @@ def parse_args(argv=None):
     mode.add_argument("--full", action="store_true", help="every shape × direction × gate × states × split")
     mode.add_argument("--sweep", action="store_true", help="time every config of tuning.ALL_CONFIGS")
     mode.add_argument("--gla", action="store_true", help="time chunk_gla against fla's chunk_gla")
+    mode.add_argument("--random", type=int, metavar="SEED", help="time N random realistic shapes drawn by SEED")
+    p.add_argument("--n", type=int, default=30, metavar="N", help="shapes drawn by --random (default 30)")
     p.add_argument("--plan", action="store_true", help="print the cases and a time estimate; no GPU needed")
     p.add_argument("--out", default="figures",
                    help="folder for the JSON and PNG (default: figures, relative to the current directory)")
@@ -53,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", metavar="LABEL",
                    help="only shapes whose label contains one of these, e.g. 'B8 T4096 H16' varlen")
     p.add_argument("--budget", type=float, metavar="S", help="start no new shape after S seconds")
+    p.add_argument("--shard", metavar="I/K", help="time only the shapes I, I+K, I+2K, .. of the run (0 <= I < K): "
+                   "K processes can fill Triton's cache side by side before one timed run with --keep-cache")
     return p.parse_args(argv)
 
 
@@ -76,7 +92,8 @@ def _fresh_triton_cache(keep: bool) -> tuple[dict, str | None]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode = ("quick" if args.quick else "full" if args.full else "sweep" if args.sweep else
-            "gla" if args.gla else "default")
+            "gla" if args.gla else "random" if args.random is not None else "default")
+    random_meta = None
     if mode == "gla":
         if args.plan:
             from .gla import GLA_CASE
@@ -91,7 +108,23 @@ def main(argv=None) -> int:
             print(f"estimate: {sweep_estimate(shapes)}")
             return 0
     else:
-        cases = make_cases(mode, args.shapes)
+        if mode == "random":
+            if args.n < 1:
+                print(f"--n must be a positive number of shapes, got {args.n}", file=sys.stderr)
+                return 2
+            cases = select_cases(random_cases(args.random, args.n), args.shapes)
+            random_meta = {"seed": args.random, "n": args.n, "distribution": RANDOM_DISTRIBUTION}
+        else:
+            cases = make_cases(mode, args.shapes)
+        if args.shard:
+            try:
+                i, k = (int(x) for x in args.shard.split("/"))
+                assert 0 <= i < k
+            except (ValueError, AssertionError):
+                print(f"--shard must be I/K with 0 <= I < K, got {args.shard!r}", file=sys.stderr)
+                return 2
+            shapes = list(dict.fromkeys(c.shape for c in cases))[i::k]
+            cases = [c for c in cases if c.shape in shapes]
         if args.plan:
             print(format_plan(cases, estimate(cases, 48 if args.fla_all_configs else len(FLA_CONFIGS))))
             return 0
@@ -116,7 +149,7 @@ def main(argv=None) -> int:
         elif mode == "sweep":
             runner.run_sweep(shapes, args, cache)
         else:
-            runner.run_cases(cases, args, mode, cache)
+            runner.run_cases(cases, args, mode, cache, random_meta)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

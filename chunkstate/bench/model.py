@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,18 @@ COPY_TBPS_GUESS = 4.26  # an H200's measured copy bandwidth: only for --plan's f
 
 @dataclass(frozen=True)
 class Shape:
-    """A problem size: B × T tokens, H heads, K = V = D; ``lens``: a packed batch (B = 1, T = Σ lens)."""
+    """A problem size: B × T tokens, H heads, a [K, V] state (V defaults to K); ``lens``: a packed
+    batch (B = 1, T = Σ lens)."""
     B: int
     T: int
     H: int
-    D: int = 128
+    K: int = 128
+    V: int | None = None
     lens: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.V is None:
+            object.__setattr__(self, "V", self.K)
         if self.lens is not None and (self.B != 1 or sum(self.lens) != self.T):
             raise ValueError(f"a packed shape needs B = 1 and T = sum(lens), got B={self.B} T={self.T}")
 
@@ -56,16 +61,26 @@ class Shape:
     @property
     def label(self) -> str:
         s = f"varlen N{self.N} T{self.T} H{self.H}" if self.lens else f"B{self.B} T{self.T} H{self.H}"
-        return s if self.D == 128 else f"{s} D{self.D}"
+        if self.K == self.V:
+            return s if self.K == 128 else f"{s} D{self.K}"
+        return f"{s} K{self.K} V{self.V}"
+
+
+GATES = ("none", "g", "gk", "g_gamma")  # the gate a case passes: none, g [B,T,H], gk [B,T,H,K], g_gamma [H]
 
 
 @dataclass(frozen=True)
 class Case:
     shape: Shape
     direction: str  # "fwd" | "bwd"
-    gate: str = "g"  # "g" [B, T, H] | "gk" [B, T, H, K]
+    gate: str = "g"  # one of GATES
     states: str = "bf16"  # dtype of h / dh: "bf16" | "fp32"
     split: int | None = None  # split_size (None: BT)
+    final: bool = False  # forward: also ht; backward: dht given and dh0 stored
+
+    def __post_init__(self):
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
 
     @property
     def BS(self) -> int:
@@ -79,7 +94,8 @@ class Case:
     @property
     def label(self) -> str:
         split = f" split {self.split}" if self.split else ""
-        return f"{self.shape.label} {self.direction} {self.gate} {self.states}{split}"
+        final = (" ht" if self.direction == "fwd" else " dht") if self.final else ""
+        return f"{self.shape.label} {self.direction} {self.gate} {self.states}{split}{final}"
 
 
 VARLEN_LENS = (8192, 6000, 5000, 4096, 3500, 3000, 2000, 980)  # Σ = 32768, ragged chunk edges
@@ -122,6 +138,77 @@ def make_cases(mode: str = "default", wanted: list[str] | None = None) -> list[C
     return cases
 
 
+# ---------------------------------------------------------------- random shapes (--random SEED)
+
+RANDOM_HEADS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+RANDOM_DIMS = (64, 128, 256)
+RANDOM_PACKED = 0.25  # the share of packed batches
+RANDOM_MAX_STATE_BYTES = 16 << 30  # a draw whose stored bf16 states would exceed this is drawn again
+RANDOM_DISTRIBUTION = (
+    "per shape, independently: total tokens 2^U(13, 17) (8k-128k); H uniform over "
+    f"{RANDOM_HEADS}; K and V each uniform over {RANDOM_DIMS}; the gate uniform over {GATES}; "
+    f"with probability {RANDOM_PACKED} a packed batch of N ~ U{{2..64}} sequences whose lengths share "
+    "the tokens in proportion to lognormal(0, 1) weights (each at least 1), else a dense batch with "
+    "T = 2^U(9, log2 min(tokens, 2^17)), rounded to a power of two half the time, and "
+    "B = round(tokens / T) clipped to 1..256 (drawn again if B·T leaves 8k-128k); both directions, bf16 inputs and states, BT = 64, "
+    "split = BT, final states (ht; dht in, dh0 out); draws storing over 16 GiB of states are redrawn")
+
+
+def _share(total: int, weights: list[float]) -> list[int]:
+    """``total`` tokens cut in proportion to ``weights``, every part at least 1 (``total`` >= 64·len)."""
+    s = sum(weights)
+    lens = [max(1, int(total * w / s)) for w in weights]
+    longest = max(range(len(lens)), key=lens.__getitem__)
+    lens[longest] += total - sum(lens)
+    return lens
+
+
+def random_shapes(seed: int, n: int) -> list[tuple[Shape, str]]:
+    """``n`` (shape, gate) pairs drawn from ``RANDOM_DISTRIBUTION`` by ``random.Random(seed)``: the same
+    seed gives the same draws on every machine."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        tokens = int(round(2 ** rng.uniform(13, 17)))
+        H = rng.choice(RANDOM_HEADS)
+        K, V = rng.choice(RANDOM_DIMS), rng.choice(RANDOM_DIMS)
+        gate = rng.choice(GATES)
+        if rng.random() < RANDOM_PACKED:
+            lens = _share(tokens, [rng.lognormvariate(0, 1) for _ in range(rng.randint(2, 64))])
+            shape = Shape(1, tokens, H, K, V, lens=tuple(lens))
+        else:
+            T = 2 ** rng.uniform(9, math.log2(min(tokens, 1 << 17)))
+            T = 2 ** round(math.log2(T)) if rng.random() < 0.5 else int(round(T))
+            shape = Shape(min(256, max(1, round(tokens / T))), T, H, K, V)
+        if not (1 << 13) <= shape.B * shape.T <= (1 << 17):  # B's rounding left the token range
+            continue
+        if n_splits(shape, BT) * H * K * V * STATE_BYTES["bf16"] <= RANDOM_MAX_STATE_BYTES:
+            out.append((shape, gate))
+    return out
+
+
+def random_cases(seed: int, n: int) -> list[Case]:
+    """The cases of ``--random SEED --n N``: each drawn shape forward and backward, with final states."""
+    return [Case(shape, d, gate=gate, final=True) for shape, gate in random_shapes(seed, n) for d in ("fwd", "bwd")]
+
+
+def programs_64(shape: Shape) -> int:
+    """Programs of a one-pass launch with 64×64 state tiles: N·H·ceil(K/64)·ceil(V/64), the grid size
+    the occupancy is judged by."""
+    return shape.N * shape.H * -(-shape.K // 64) * -(-shape.V // 64)
+
+
+def explicit_pieces(case: Case, sms: int) -> list[int]:
+    """The piece counts the random mode times beside chunkstate's own choice: where one pass has
+    under two waves of 64×64 programs (``programs_64`` < 2 ``sms``), 1 and each of 2, 4, .., 32
+    leaving pieces of at least 1,024 tokens of the longest sequence; elsewhere none (a second pass
+    cannot pay once the GPU is full)."""
+    if programs_64(case.shape) >= 2 * sms:
+        return []
+    longest = max(case.shape.lengths, default=0)
+    return [1] + [P for P in (2, 4, 8, 16, 32) if longest >= P * max(1024, case.BS)]
+
+
 # ---------------------------------------------------------------- bytes, floors, derived numbers
 
 def n_splits(shape: Shape, BS: int) -> int:
@@ -132,26 +219,31 @@ def n_splits(shape: Shape, BS: int) -> int:
 def unique_bytes(case: Case, h0: bool = False, final: bool = False) -> dict[str, int]:
     """Bytes a kernel must move at least once, per tensor.
 
-    Forward: reads k [B,T,H,K], v [B,T,H,V] (bf16), the gate (fp32: g [B,T,H] or gk [B,T,H,K]),
-    h0 [N,H,K,V] (fp32) if ``h0``; writes h [NS,H,K,V] (the states' dtype) and ht [N,H,K,V] (fp32)
-    if ``final``. Backward: reads q, do (bf16), the gate, dht (fp32) if ``final``; writes dh and
-    dh0 (fp32) if ``h0``. The backward never reads k or v. NS = ``n_splits``; K = V = D.
+    Forward: reads k [B,T,H,K], v [B,T,H,V] (bf16), the gate (fp32: g [B,T,H], gk [B,T,H,K] or
+    g_gamma [H]; nothing without a gate), h0 [N,H,K,V] (fp32) if ``h0``; writes h [NS,H,K,V] (the
+    states' dtype) and ht [N,H,K,V] (fp32) if ``final`` or ``case.final``. Backward: reads q, do
+    (bf16), the gate, dht (fp32) if ``final``; writes dh and dh0 (fp32) if ``h0`` (``case.final``
+    sets both). The backward never reads k or v. NS = ``n_splits``.
     """
     s = case.shape
-    K = V = s.D
+    K, V = s.K, s.V
     tokens = s.B * s.T * s.H
-    gate = tokens * GATE_BYTES * (K if case.gate == "gk" else 1)
+    gate = {"none": 0, "g": tokens * GATE_BYTES, "gk": tokens * GATE_BYTES * K, "g_gamma": s.H * GATE_BYTES}[case.gate]
     states = n_splits(s, case.BS) * s.H * K * V * STATE_BYTES[case.states]
     one_state = s.N * s.H * K * V * 4
+    final = final or case.final
+    h0 = h0 or (case.final and case.direction == "bwd")
+    x1, x2 = ("k", "v") if case.direction == "fwd" else ("q", "do")
+    parts = {x1: tokens * K * IN_BYTES, x2: tokens * V * IN_BYTES}
+    if case.gate != "none":
+        parts[case.gate] = gate
     if case.direction == "fwd":
-        parts = {"k": tokens * K * IN_BYTES, "v": tokens * V * IN_BYTES, case.gate: gate}
         if h0:
             parts["h0"] = one_state
         parts["h"] = states
         if final:
             parts["ht"] = one_state
     else:
-        parts = {"q": tokens * K * IN_BYTES, "do": tokens * V * IN_BYTES, case.gate: gate}
         if final:
             parts["dht"] = one_state
         parts["dh"] = states
@@ -180,6 +272,9 @@ def derive(result: dict, copy_tbps: float) -> dict:
     ours, fla = result.get("ours") or {}, result.get("fla") or {}
     ok = fla.get("valid", False) and ours.get("ms") and fla.get("ms")
     result["fla_over_ours"] = fla["ms"] / ours["ms"] if ok else None
+    explicit = [ms for ms in (result.get("pieces_ms") or {}).values() if _finite_or_none(ms)]
+    # chunkstate's own choice against the best explicit piece count (1.0: it chose as well as the best)
+    result["auto_over_best"] = ours["ms"] / min(explicit) if explicit and ours.get("ms") else None
     return result
 
 
@@ -187,9 +282,9 @@ def new_result(case: Case, n_pieces: int) -> dict:
     """The JSON record of one case before timing (``n_pieces``: what chunkstate's wrapper cuts it into)."""
     s = case.shape
     parts = unique_bytes(case)
-    return {"case": case.label, "shape": s.label, "B": s.B, "T": s.T, "H": s.H, "K": s.D, "V": s.D,
+    return {"case": case.label, "shape": s.label, "B": s.B, "T": s.T, "H": s.H, "K": s.K, "V": s.V,
             "lens": list(s.lens) if s.lens else None, "direction": case.direction, "gate": case.gate,
-            "states": case.states, "split": case.split, "BT": BT, "bytes": parts,
+            "states": case.states, "split": case.split, "final": case.final, "BT": BT, "bytes": parts,
             "total_bytes": sum(parts.values()), "pieces": n_pieces, "ours": None, "fla": None}
 
 
@@ -210,7 +305,7 @@ def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> i
 def case_pieces(case: Case) -> int:
     """The pieces chunkstate's wrapper chooses for ``case`` (``predicted_pieces``)."""
     s = case.shape
-    return predicted_pieces(s.N, s.H, s.D, s.D, max(s.lengths), case.BS)
+    return predicted_pieces(s.N, s.H, s.K, s.V, max(s.lengths, default=0), case.BS)
 
 
 def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
@@ -220,8 +315,9 @@ def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
     compute capability and shared memory."""
     tma = (torch.cuda.is_available() and tuning.tma_device("cuda")
            and tuning.tma_rows(K, IN_BYTES) and tuning.tma_rows(V, IN_BYTES))
-    args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": int(tma), "BT": BT, "k": torch.bfloat16,
-            "USE_" + gate.upper(): True}
+    args = {"K": K, "V": V, "OCCUPANCY": bucket, "TMA_OK": int(tma), "BT": BT, "k": torch.bfloat16}
+    if gate != "none":
+        args["USE_" + gate.upper()] = True
     return [tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args)]
 
 
@@ -231,7 +327,7 @@ def ours_launches(case: Case) -> list[tuple[tuple, list]]:
     launches the kernel twice (pieces from zero, then pieces storing their states) and the scan
     between them (``chunkstate.pieces``), in either direction."""
     s = case.shape
-    K = V = s.D
+    K, V = s.K, s.V
     P = case_pieces(case)
     sequences = s.N if P == 1 else len(pieces.plan(s.lengths, case.BS, P)[0]) - 1  # or pieces
     bucket = tuning.occupancy_bucket(sequences * s.H)
@@ -248,7 +344,8 @@ def ours_launches(case: Case) -> list[tuple[tuple, list]]:
 
 def fla_key(case: Case) -> tuple:
     """What one fla-core compile depends on (its autotune key holds no B, T, H)."""
-    return ("fla", case.direction, case.gate, case.states, case.BS, case.shape.D, case.shape.lens is not None)
+    return ("fla", case.direction, case.gate, case.states, case.BS, case.shape.K, case.shape.V, case.final,
+            case.shape.lens is not None)
 
 
 # ---------------------------------------------------------------- the estimate behind --plan
@@ -290,11 +387,11 @@ def estimate(cases: list[Case], fla_configs: int | None = len(FLA_CONFIGS)) -> d
 
 
 def sweep_estimate(shapes) -> dict:
-    """The same for ``--sweep``: every config compiled per specialization (K = V = D, and the
-    forward's ``NARROW_V``), timed per shape and direction."""
+    """The same for ``--sweep``: every config compiled per specialization (K, V, and the forward's
+    ``NARROW_V``), timed per shape and direction."""
     n = len(tuning.ALL_CONFIGS)
-    fwd_keys = {(s.D, tuning.narrow_v(tuning.occupancy_bucket(s.N * s.H))) for s in shapes}
-    bwd_keys = {s.D for s in shapes}
+    fwd_keys = {(s.K, s.V, tuning.narrow_v(tuning.occupancy_bucket(s.N * s.H))) for s in shapes}
+    bwd_keys = {(s.K, s.V) for s in shapes}
     compiles = n * (len(fwd_keys) + len(bwd_keys))
     measures = 2 * n * len(shapes)
     return {"configs": n, "compiles": compiles, "measurements": measures,

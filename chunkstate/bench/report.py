@@ -90,6 +90,45 @@ def format_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+WIN_AT = 0.97  # a case counts as a win where fla / ours >= this
+PIECES_SLACK = 1.03  # auto pieces "as good as the best explicit count" within 3 %
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return None if not n else xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def random_summary(report: dict) -> dict:
+    """The random mode's numbers: over the cases with a valid fla timing, how many chunkstate wins
+    (fla / ours >= ``WIN_AT``), the geometric mean and the worst of fla / ours; chunkstate's ×floor
+    median and worst; auto pieces against the best explicit count where those were timed."""
+    results = [r for r in report["cases"] if not r.get("skipped")]
+    ratios = [(r["fla_over_ours"], r["case"]) for r in results if r.get("fla_over_ours")]
+    floors = [(r["ours"]["x_floor"], r["case"]) for r in results if (r.get("ours") or {}).get("x_floor")]
+    autos = [(r["auto_over_best"], r["case"]) for r in results if r.get("auto_over_best")]
+    return {"cases": len(results), "compared": len(ratios), "wins": sum(x >= WIN_AT for x, _ in ratios),
+            "geomean": geomean(x for x, _ in ratios), "worst": min(ratios, default=None),
+            "x_floor_median": _median([x for x, _ in floors]), "x_floor_worst": max(floors, default=None),
+            "pieces_explored": len(autos), "pieces_ok": sum(x <= PIECES_SLACK for x, _ in autos),
+            "pieces_worst": max(autos, default=None)}
+
+
+def format_random_summary(report: dict) -> str:
+    """One line: ``random_summary`` in words."""
+    m, s = report["meta"].get("random", {}), random_summary(report)
+    pct = lambda a, b: f"{a}/{b} ({100 * a / b:.0f} %)" if b else "0/0"  # noqa: E731
+    worst = f"{s['worst'][0]:.2f} ({s['worst'][1]})" if s["worst"] else "-"
+    xfw = f"{s['x_floor_worst'][0]:.2f} ({s['x_floor_worst'][1]})" if s["x_floor_worst"] else "-"
+    pw = f"{s['pieces_worst'][0]:.2f}× ({s['pieces_worst'][1]})" if s["pieces_worst"] else "-"
+    return (f"random seed {m.get('seed')}, {m.get('n')} shapes, {s['cases']} cases: chunkstate >= {WIN_AT}× fla in "
+            f"{pct(s['wins'], s['compared'])}; fla/ours geomean {_fmt(s['geomean'], '.2f')}, worst {worst}; "
+            f"×floor median {_fmt(s['x_floor_median'], '.2f')}, worst {xfw}; auto pieces within "
+            f"{round(100 * (PIECES_SLACK - 1))} % of the best explicit count in {pct(s['pieces_ok'], s['pieces_explored'])}"
+            f", worst {pw}")
+
+
 def format_sweep(report: dict) -> str:
     """Per swept case, its fastest configs (``*``: among those the autotuner tries)."""
     lines = []

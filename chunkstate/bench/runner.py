@@ -27,8 +27,10 @@ import triton
 
 from .. import tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
-from .model import BT, FLA_CONFIGS, Case, Shape, case_pieces, derive, new_result, tried_configs, unique_bytes
-from .report import case_line, format_summary, format_sweep, format_table, output_paths, write_json, write_png
+from .model import (BT, FLA_CONFIGS, Case, Shape, case_pieces, derive, explicit_pieces, new_result, tried_configs,
+                    unique_bytes)
+from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, output_paths,
+                     write_json, write_png)
 
 WARMUP_MS, REP_MS = 10, 50  # do_bench per measurement
 COPY_BYTES = 1 << 30  # the copy-bandwidth probe copies 1 GiB (2 GiB moved)
@@ -53,41 +55,62 @@ def copy_bandwidth(nbytes: int = COPY_BYTES) -> dict:
 
 
 class Inputs:
-    """One shape's tensors: x1, x2 are k, v (forward) and q, do (backward); gates made on demand."""
+    """One shape's tensors: x1 [B,T,H,K], x2 [B,T,H,V] are k, v (forward) and q, do (backward);
+    gates, and the fp32 states of a case with ``final``, made on demand."""
 
     def __init__(self, shape: Shape, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
         from ..gates import chunk_local_cumsum
 
         self._cumsum = chunk_local_cumsum
-        B, T, H, D = shape.B, shape.T, shape.H, shape.D
+        B, T, H, K, V = shape.B, shape.T, shape.H, shape.K, shape.V
         self.shape, self.device = shape, device
-        self.x1 = (torch.randn(B, T, H, D, device=device) * D ** -0.5).to(dtype)
-        self.x2 = torch.randn(B, T, H, D, device=device).to(dtype)
+        self.x1 = (torch.randn(B, T, H, K, device=device) * K ** -0.5).to(dtype)
+        self.x2 = torch.randn(B, T, H, V, device=device).to(dtype)
         self.cu = None
         if shape.lens:
             self.cu = torch.tensor([0, *itertools.accumulate(shape.lens)], dtype=torch.int32, device=device)
         self._gates = {}
+        self._state = None
 
-    def gate(self, name: str) -> torch.Tensor:
-        """Chunk-local cumsums (log2, fp32) of natural-log gates logsigmoid(N(0, 1)): g or gk."""
+    def gate(self, name: str) -> dict:
+        """The gate keyword argument of a case: ``{}`` for "none"; g or gk: chunk-local cumsums (log2,
+        fp32) of natural-log gates logsigmoid(N(0, 1)); g_gamma: per-head log2 decays of
+        log(1 − 2^−u), u uniform in [5, 10) (RetNet's per-head rates)."""
+        if name == "none":
+            return {}
         if name not in self._gates:
             s = self.shape
-            size = (s.B, s.T, s.H) if name == "g" else (s.B, s.T, s.H, s.D)
-            nat = torch.nn.functional.logsigmoid(torch.randn(size, device=self.device))
-            self._gates[name] = self._cumsum(nat, BT, self.cu)
-        return self._gates[name]
+            if name == "g_gamma":
+                u = torch.rand(s.H, device=self.device) * 5 + 5
+                self._gates[name] = torch.log2(1 - torch.exp2(-u))
+            else:
+                size = (s.B, s.T, s.H) if name == "g" else (s.B, s.T, s.H, s.K)
+                nat = torch.nn.functional.logsigmoid(torch.randn(size, device=self.device))
+                self._gates[name] = self._cumsum(nat, BT, self.cu)
+        return {name: self._gates[name]}
+
+    def state(self) -> torch.Tensor:
+        """A random fp32 [N, H, K, V] state: dht of a backward case with ``final``."""
+        if self._state is None:
+            s = self.shape
+            self._state = torch.randn(s.N, s.H, s.K, s.V, device=self.device)
+        return self._state
 
 
 def call(lib, case: Case, inp: Inputs, **extra):
     """A no-argument function running ``case`` through ``lib`` (a module with chunk_fwd_h and
     chunk_bwd_dh), returning h / dh. The backward gets q as k and do as v: it reads their shapes only.
-    ``extra``: more keyword arguments for the call (``pieces=1``, ``config=``)."""
-    kw = {case.gate: inp.gate(case.gate), "cu_seqlens": inp.cu, "chunk_size": BT, "split_size": case.split,
+    ``case.final``: the forward returns ht too; the backward gets dht and an h0 (read for its presence
+    only), so it stores dh0. ``extra``: more keyword arguments for the call (``pieces=1``, ``config=``)."""
+    kw = {**inp.gate(case.gate), "cu_seqlens": inp.cu, "chunk_size": BT, "split_size": case.split,
           "states_in_fp32": case.states == "fp32", **extra}
     if case.direction == "fwd":
+        if case.final:
+            kw["output_final_state"] = True
         return lambda: lib.chunk_fwd_h(inp.x1, inp.x2, **kw)[0]
-    scale = case.shape.D ** -0.5
-    return lambda: lib.chunk_bwd_dh(inp.x1, inp.x1, inp.x2, inp.x2, h0=None, dht=None, scale=scale, **kw)[0]
+    scale = float(case.shape.K) ** -0.5
+    state = inp.state() if case.final else None
+    return lambda: lib.chunk_bwd_dh(inp.x1, inp.x1, inp.x2, inp.x2, h0=state, dht=state, scale=scale, **kw)[0]
 
 
 def _sync():
@@ -156,6 +179,8 @@ class Libraries:
         kept = {}
         for at in self.fla_autotuners:
             at.cache_results = False
+            if hasattr(at, "_do_bench"):  # time fla's candidates as chunkstate's autotuner times its own
+                at._do_bench = tuning.autotune_timing
             name = getattr(getattr(at, "base_fn", None), "__name__", f"autotuner {len(kept)}")
             kept[name] = ([tuning.config_tuple(c)[:4] for c in at.configs] if fla_all_configs
                           else restrict_configs(at))
@@ -164,7 +189,8 @@ class Libraries:
                 f"restricted to {'/'.join(map(str, counts))} of its 48 configs (H200 winners; "
                 "--fla-all-configs keeps all)")
         self.fla_info = {"available": True, "all_configs": fla_all_configs, "configs": kept,
-                         "configs_note": note + "; its autotune disk cache off, tuned per shape",
+                         "configs_note": note + "; its autotune disk cache off, tuned per shape, each candidate "
+                         "timed as chunkstate's (tuning.autotune_timing)",
                          "autotuners_found": len(self.fla_autotuners)}
 
     def clear_autotune_caches(self):
@@ -199,14 +225,22 @@ def _configs_run(autotuners, timed):
     return entry, out
 
 
-def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float) -> dict:
+def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore: list[int] = ()) -> dict:
     """Time ``case`` for chunkstate (and in one pass too where it is cut into pieces) and fla;
-    the result record with its derived numbers (``model.derive``)."""
+    ``explore``: piece counts to time too, explicitly (``pieces=P``; the random mode). Returns the
+    result record with its derived numbers (``model.derive``)."""
     r = new_result(case, case_pieces(case))
     ours_at, fla_at = getattr(libs, "ours_autotuners", []), getattr(libs, "fla_autotuners", [])
     r["ours"], out = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp))
-    if r["pieces"] > 1 and r["ours"].get("ms"):  # what the pieces bought (or cost): one pass too
+    if r["pieces"] > 1 and r["ours"].get("ms") and 1 not in explore:  # what the pieces bought (or cost)
         r["ours_one_pass"], _ = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp, pieces=1))
+    if explore and r["ours"].get("ms"):
+        r["pieces_ms"] = {}
+        for P in explore:
+            entry, _ = _timed(libs.ours, libs.ours_jit, case, inp, pieces=P)
+            r["pieces_ms"][str(P)] = entry.get("ms")
+            if P == 1:
+                r["ours_one_pass"] = entry
     if libs.fla is not None:
         r["fla"], ref = _configs_run(fla_at, lambda: _timed(libs.fla, libs.fla_jit, case, inp))
         r["fla"]["valid"] = case.fla_valid
@@ -296,15 +330,20 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
 
 # ---------------------------------------------------------------- runs
 
-def run_cases(cases: list[Case], args, mode: str, cache: dict) -> dict:
+def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict | None = None) -> dict:
     """Time ``cases`` shape by shape (``args``: ``out``, ``budget``, ``fla_all_configs``), writing
-    the JSON after every case, then the table, the summary and the figure."""
+    the JSON after every case, then the table, the summary and the figure. ``random_meta`` (the
+    random mode: seed, n, distribution): also time explicit piece counts (``explicit_pieces``) and
+    name the files after the seed."""
     copy = copy_bandwidth()
     libs = Libraries(args.fla_all_configs)
     if libs.fla is None:
         print(f"fla-core is not importable ({libs.fla_info['error']}): timing chunkstate alone", file=sys.stderr)
     report = {"meta": metadata(mode, copy, libs, cache), "cases": []}
-    json_path, png_path = output_paths(args.out, mode)
+    if random_meta:
+        report["meta"]["random"] = random_meta
+    json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode)
+    sms = tuning.sm_count()
     progress = Progress(len(cases), f"chunkstate.bench {mode}")
     t0 = time.perf_counter()
     try:
@@ -321,7 +360,8 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict) -> dict:
             inp = Inputs(shape)
             for case in group:
                 progress.start(case.label)
-                r = run_case(case, inp, libs, copy["tbps"])
+                explore = explicit_pieces(case, sms) if random_meta else []
+                r = run_case(case, inp, libs, copy["tbps"], explore)
                 report["cases"].append(r)
                 write_json(report, json_path)
                 progress.finish(case_line(r))
@@ -333,6 +373,8 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict) -> dict:
         write_json(report, json_path)
     print(format_table(report["cases"]))
     print(format_summary(report))
+    if random_meta:
+        print(format_random_summary(report))
     try:
         write_png(report, png_path)
     except Exception as e:  # the numbers are in the JSON; a plotting problem must not lose them
@@ -370,7 +412,7 @@ def run_sweep(shapes, args, cache: dict) -> dict:
                         entry.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                     timings.append(entry)
                 ranked = sorted((t for t in timings if t.get("ms")), key=lambda t: t["ms"])
-                chosen = [list(t) for t in tried_configs(shape.D, shape.D, bucket, case.gate)]
+                chosen = [list(t) for t in tried_configs(shape.K, shape.V, bucket, case.gate)]
                 for t in ranked[:8]:
                     t["candidate"] = t["config"] in chosen
                 report["sweep"].append({"case": case.label, "shape": shape.label, "direction": direction,

@@ -34,7 +34,7 @@ def flops(case) -> int:
     """FLOPs of one call of ``case`` (a :class:`chunkstate.bench.Case`): ``2·K·V`` per token and
     head, the chunk matrix product (gating and the state's decay, ~1 %, left out)."""
     s = case.shape
-    return 2 * s.D * s.D * s.B * s.T * s.H
+    return 2 * s.K * s.V * s.B * s.T * s.H
 
 
 def total_bytes(case) -> int:

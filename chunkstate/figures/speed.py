@@ -77,10 +77,63 @@ def draw(report: dict):
     return fig
 
 
+def draw_random(report: dict):
+    """A random-shape report (``--random SEED``): fla / ours per case against the launch's 64×64
+    programs per SM (left; above 1: chunkstate faster) and chunkstate's time / floor (right), each
+    case coloured by its tokens per sequence, forward as circles and backward as triangles, packed
+    batches hollow. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    meta = report.get("meta", {})
+    sms = (meta.get("device") or {}).get("sms") or 132
+    cases = [c for c in report.get("cases", []) if _value(c, "ours", "ms")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    norm = LogNorm(vmin=256, vmax=131072)
+    sc = None
+    for c in cases:
+        programs = c["H"] * -(-c["K"] // 64) * -(-c["V"] // 64) * (len(c["lens"]) if c.get("lens") else c["B"])
+        per_seq = c["T"] / (len(c["lens"]) if c.get("lens") else 1)
+        x = programs / sms
+        marker = "o" if c["direction"] == "fwd" else "^"
+        packed = bool(c.get("lens"))
+        colour = plt.get_cmap("viridis")(norm(per_seq))
+        face = "none" if packed else colour
+        for ax, y in ((ax1, c.get("fla_over_ours")), (ax2, _value(c, "ours", "x_floor"))):
+            if y is not None:
+                sc = ax.scatter([x], [y], marker=marker, facecolors=[face], edgecolors=[colour], s=42)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("programs per SM (N·H·⌈K/64⌉·⌈V/64⌉ / SMs)")
+        ax.grid(True, alpha=0.3, which="both")
+    ax1.set_yscale("log")
+    ax1.axhline(1.0, color="black", lw=1)
+    ax1.axhline(0.97, color="black", lw=1, ls=":")
+    ax1.set_ylabel("fla time / chunkstate time  (> 1: chunkstate faster)")
+    ax2.axhline(1.0, color="black", lw=1, ls="--")
+    ax2.set_ylabel("chunkstate time / floor  (1 = copy roof)")
+    mappable = plt.cm.ScalarMappable(norm=norm, cmap="viridis")
+    fig.colorbar(mappable, ax=[ax1, ax2], label="tokens per sequence (mean)", pad=0.01)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], marker="o", ls="", color="grey", label="forward"),
+               Line2D([], [], marker="^", ls="", color="grey", label="backward"),
+               Line2D([], [], marker="o", ls="", markerfacecolor="none", color="grey", label="packed batch")]
+    ax1.legend(handles=handles, fontsize=8, loc="lower right")
+    rnd = meta.get("random", {})
+    versions = meta.get("versions", {})
+    fig.suptitle(f"random shapes, seed {rnd.get('seed', '?')} ({rnd.get('n', '?')} shapes) on "
+                 f"{(meta.get('device') or {}).get('name', '?')} ({meta.get('date', '?')}): torch "
+                 f"{versions.get('torch', '?')}, triton {versions.get('triton', '?')}, fla-core "
+                 f"{versions.get('fla', 'n/a')}", fontsize=9)
+    return fig
+
+
 def save_png(report: dict, path) -> Path:
-    """Draw ``report`` and write it to ``path`` (PNG, no timestamp metadata: same report, same bytes)."""
+    """Draw ``report`` (``draw_random`` for a random-shape report, else ``draw``) and write it to
+    ``path`` (PNG, no timestamp metadata: same report, same bytes)."""
     path = Path(path).resolve()
-    return save(draw(report), path.name, path.parent)
+    fig = draw_random(report) if (report.get("meta") or {}).get("random") else draw(report)
+    return save(fig, path.name, path.parent)
 
 
 def main(out_dir=None, reports_dir=None):
