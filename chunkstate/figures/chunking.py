@@ -1,5 +1,6 @@
 """Chapter 03's figure: a sequence cut into chunks, the states stored between them, and the
-chunk-local weights ``e^{Γ − G_t}`` that scale each token's key before the chunk's matmul.
+chunk-local weights ``2^(Γ − G_t)`` (G in log2 units) that scale each token's key before the
+chunk's matmul.
 
 Figure data come from a fixed generator so the committed file does not change between redraws.
 """
@@ -12,7 +13,7 @@ from ..gates import chunk_local_cumsum
 
 
 def draw(T: int = 200, BT: int = 64):
-    """Top: chunks and the states h[n] entering them (and ht). Bottom: e^{Γ−G_t} per token."""
+    """Top: chunks and the states h[n] entering them (and ht). Bottom: 2^(Γ − G_t) per token."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
@@ -32,8 +33,8 @@ def draw(T: int = 200, BT: int = 64):
     ax1.plot([T], [1.9], "s", color="crimson", ms=7)
     ax1.text(T, 2.25, "ht", ha="center", fontsize=9, color="crimson")
     ax1.text(starts[0] + BT / 2, 2.95,
-             r"$h[n+1] = \mathrm{diag}(e^{\Gamma})\,h[n]\,\mathrm{diag}(e^{\Gamma_v})"
-             r" + (k \odot e^{\Gamma - G})^\top (v \odot e^{\Gamma_v - G_v})$",
+             r"$h[n+1] = \mathrm{diag}(2^{\Gamma})\,h[n]\,\mathrm{diag}(2^{\Gamma_v})"
+             r" + (\mathbf{k}_n \odot 2^{\Gamma - G})^\top (\mathbf{v}_n \odot 2^{\Gamma_v - G_v})$",
              ha="left", fontsize=9)
     ax1.set_ylim(-0.2, 3.4)
     ax1.set_yticks([])
@@ -44,15 +45,15 @@ def draw(T: int = 200, BT: int = 64):
 
     gen = torch.Generator().manual_seed(0)
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, 1, generator=gen)) / 8
-    G = chunk_local_cumsum(g, BT, scale=1.0, dtype=torch.float64)[0, :, 0]
+    G = chunk_local_cumsum(g, BT, dtype=torch.float64)[0, :, 0]  # log2 units
     w = torch.empty(T, dtype=torch.float64)
     for s in starts:
         e = min(s + BT, T)
-        w[s:e] = torch.exp(G[e - 1] - G[s:e])  # e^{Γ − G_t}: 1 for the chunk's last token
+        w[s:e] = torch.exp2(G[e - 1] - G[s:e])  # 2^(Γ − G_t): 1 for the chunk's last token
     ax2.bar(torch.arange(T).numpy(), w.numpy(), width=1.0, color="C0")
     for s in starts[1:]:
         ax2.axvline(s, color="gray", lw=0.6, ls=":")
-    ax2.set(xlabel="token t", ylabel=r"$e^{\Gamma - G_t}$", ylim=(0, 1.05),
+    ax2.set(xlabel="token t", ylabel=r"$2^{\Gamma - G_t}$", ylim=(0, 1.05),
             title=r"weight of token t's key in its chunk's update (scalar gate): all in (0, 1]")
     ax2.grid(True, axis="y", alpha=0.3)
     ax2.set_xlim(-2, T + 4)

@@ -1,8 +1,8 @@
 """Chapter 02's figures: what each gate multiplies, and why cumulative gates restart every chunk.
 
 - ``gates_decays.png``: the factor one token's decay applies to a K×V state, for each gate kind.
-- ``gates_cumsum.png``: the cumulative log-decay over a long sequence, global against
-  chunk-local, next to the exponent where ``exp`` overflows in float32.
+- ``gates_cumsum.png``: the cumulative log2-decay ``G`` over a long sequence, summed from the
+  sequence start against chunk-local, next to the exponent where ``exp2(-G)`` overflows in float32.
 
 Figure data come from a fixed generator so the committed files do not change between redraws.
 """
@@ -13,9 +13,9 @@ import math
 import torch
 
 from . import save
-from ..gates import chunk_local_cumsum
+from ..gates import RCP_LN2, chunk_local_cumsum
 
-FP32_MAX_EXP = math.log(torch.finfo(torch.float32).max)  # ≈ 88.72: exp(x) is inf in fp32 above it
+FP32_MAX_EXP2 = math.log2(torch.finfo(torch.float32).max)  # ≈ 128: exp2(x) is inf in fp32 above it
 
 GATE_KINDS = {  # name: (shape, models that use it, what it decays)
     "g": ("[B,T,H]", "Mamba-2 (SSD), simple GLA", "one scalar per token and head"),
@@ -58,21 +58,22 @@ def draw_decays(K: int = 8, V: int = 8):
 
 
 def draw_cumsum(T: int = 4096, BT: int = 64):
-    """Global cumulative log-decay against the chunk-local one (GLA-like scalar gate)."""
+    """The cumulative log2-decay G of a GLA-like scalar gate: summed from the sequence start
+    (chapter 02) against chunk-local (restarting every BT tokens, chapter 03 on)."""
     import matplotlib.pyplot as plt
 
     gen = torch.Generator().manual_seed(0)
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, 1, generator=gen)) / 16  # ≈ -0.05 per token
-    A = g[0, :, 0].double().cumsum(0)  # global inclusive cumsum, natural log
-    G = chunk_local_cumsum(g, BT, scale=1.0, dtype=torch.float64)[0, :, 0]
+    G_seq = RCP_LN2 * g[0, :, 0].double().cumsum(0)  # from the sequence start, log2 units
+    G = chunk_local_cumsum(g, BT, dtype=torch.float64)[0, :, 0]  # chunk-local, log2 units
     t = torch.arange(T)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw=dict(width_ratios=[2, 1]))
-    ax1.plot(t, A, label=r"global $A_t = \sum_{s \leq t} g_s$")
+    ax1.plot(t, G_seq, label=r"from the sequence start: $G_t = \log_2 e \sum_{s \leq t} g_s$")
     ax1.plot(t, G, label=r"chunk-local $G_t$ (restarts every BT)")
-    ax1.axhline(-FP32_MAX_EXP, color="crimson", ls="--", lw=1)
-    ax1.annotate(r"below $-88.7$: $e^{-A}$ is inf in fp32", (0, -FP32_MAX_EXP), xytext=(4, -12),
+    ax1.axhline(-FP32_MAX_EXP2, color="crimson", ls="--", lw=1)
+    ax1.annotate(r"below $-128$: $2^{-G_t}$ is inf in fp32", (0, -FP32_MAX_EXP2), xytext=(4, -12),
                  textcoords="offset points", color="crimson", fontsize=8)
-    ax1.set(xlabel="token t", ylabel="cumulative log-decay", title=f"T = {T}, BT = {BT}")
+    ax1.set(xlabel="token t", ylabel="cumulative log2-decay", title=f"T = {T}, BT = {BT}")
     ax1.legend(fontsize=8, loc="lower left")
     n = 4 * BT
     ax2.plot(t[:n], G[:n], color="C1", drawstyle="steps-post")

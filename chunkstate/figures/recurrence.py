@@ -3,7 +3,7 @@
 Counts are per (sequence, head), one multiply-add = 2 FLOPs:
 
 - the recurrence ``S_t = S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``: ``2KV + 2KV`` per token;
-- the causal masked form ``(QKᵀ ⊙ M) V``: one ``2K`` dot and one ``2V`` weighted sum for each of
+- the causal masked form ``(𝐪𝐤ᵀ ⊙ M) 𝐯`` (bold: a sequence's rows stacked): one ``2K`` dot and one ``2V`` weighted sum for each of
   the ``T(T+1)/2`` pairs ``j <= i``.
 
 Memory kept while decoding, for a whole model: a KV cache grows with T, the state does not.
@@ -49,7 +49,7 @@ def draw(K: int = 128, V: int = 128, model: dict = MODEL_7B):
 
     T = np.unique(np.logspace(0, 17, 69, base=2).astype(np.int64))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.loglog(T, [flops_masked(int(t), K, V) for t in T], label=r"masked form $(QK^\top\odot M)V$: $T(T+1)(K+V)$")
+    ax1.loglog(T, [flops_masked(int(t), K, V) for t in T], label=r"masked form $(\mathbf{q}\mathbf{k}^\top\odot M)\,\mathbf{v}$: $T(T+1)(K+V)$")
     ax1.loglog(T, [flops_recurrent(int(t), K, V) for t in T], label=r"recurrence: $4\,TKV$")
     tc = crossover_T(K, V)
     ax1.axvline(tc, color="gray", ls=":", lw=1)
