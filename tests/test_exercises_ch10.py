@@ -1,108 +1,126 @@
-"""Chapter 10's checkers reject wrong answers (the shipped solutions and a stub: tests/test_exercises.py)."""
+"""Chapter 10's checkers reject wrong answers and name the likely mistake (the shipped solutions and a
+stub: tests/test_exercises.py)."""
 import math
 
 import pytest
 import torch
 
+from chunkstate import gla
+from chunkstate.backward import chunk_bwd_dh
 from chunkstate.exercises import ch10_complete_layer as ex
+from chunkstate.exercises.ch08_backward_recurrence import chunk_grads
+from chunkstate.forward import chunk_fwd_h
+from chunkstate.gates import chunk_local_cumsum
 
 
-# ---------------------------------------------------------------- exercise 1: the inter-chunk outputs
+# ---------------------------------------------------------------- exercise 1: the gate gradient
 
-def _inter(q, gk, h, scale, G=None, decay=True, use_scale=True):
-    G = gk.cumsum(1) if G is None else G
-    qd = q * torch.exp(G) if decay else q
-    return (scale if use_scale else 1.0) * torch.einsum("blhk,bhkv->blhv", qd, h)
-
-
-def _inter_unscaled(q, gk, h, scale):
-    return _inter(q, gk, h, scale, use_scale=False)
-
-
-def _inter_not_decayed(q, gk, h, scale):  # q instead of q ⊙ e^{G}
-    return _inter(q, gk, h, scale, decay=False)
-
-
-def _inter_decayed_to_end(q, gk, h, scale):  # e^{Γ} for every token instead of e^{G_i}
+def _gate_grad(h, dh, q, k, v, do, gk, scale, reverse=True, end_k=True, end_h=True, factor=1.0, sign=1.0):
+    """A learner's answer with knobs that break one thing at a time (natural-log G here, unlike the
+    shipped solution's log2: the same numbers)."""
+    dq, dk, _ = chunk_grads(h, dh, q, k, v, do, gk, scale)
     G = gk.cumsum(1)
-    return _inter(q, gk, h, scale, G=G[:, -1:].expand_as(G))
+    c = sign * (q * dq - k * dk)
+    if end_k:
+        c[:, -1] += sign * (k * torch.exp(G[:, -1:] - G) * torch.einsum("bhkv,bjhv->bjhk", dh, v)).sum(1)
+    if end_h:
+        c[:, -1] += sign * torch.exp(G[:, -1]) * (h * dh).sum(-1)
+    out = c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)
+    return factor * out
 
 
-def _inter_exclusive_cumsum(q, gk, h, scale):  # the state decayed up to token i-1 only
-    return _inter(q, gk, h, scale, G=gk.cumsum(1) - gk)
+def test_gate_grad_knobs_at_defaults_pass():
+    ex.check_chunk_gate_grad(_gate_grad)
 
 
-def _inter_whole_output(q, gk, h, scale):  # adds the chunk's own tokens (needs k, v: a zero-free stand-in)
-    return _inter(q, gk, h, scale) + 0.1 * q.sum(-1, keepdim=True)
+@pytest.mark.parametrize("knobs, message", [
+    (dict(reverse=False), "a forward cumulative sum"),
+    (dict(end_k=False, end_h=False), "the chunk-end terms are missing"),
+    (dict(end_h=False), "the entering state's term is missing"),
+    (dict(end_k=False), "k_j ⊙ dk_inter_j is missing"),
+    (dict(factor=math.log(2.0)), "a factor ln 2 too many"),
+    (dict(factor=1 / math.log(2.0)), "a factor ln 2 too few"),
+    (dict(sign=-1.0), "the sign is flipped"),
+], ids=["forward-cumsum", "no-end-terms", "no-state-term", "no-k-term", "times-ln2", "over-ln2", "sign"])
+def test_gate_grad_mistake_named(knobs, message):
+    def wrong(h, dh, q, k, v, do, gk, scale):
+        return _gate_grad(h, dh, q, k, v, do, gk, scale, **knobs)
+
+    with pytest.raises(AssertionError, match=message):
+        ex.check_chunk_gate_grad(wrong)
 
 
-def _inter_wrong_shape(q, gk, h, scale):
-    return _inter(q, gk, h, scale).transpose(1, 2)
+def test_gate_grad_unknown_mistake_reports_the_chunk():
+    def wrong(h, dh, q, k, v, do, gk, scale):  # the diagonal's term dropped: no known mistake
+        out = _gate_grad(h, dh, q, k, v, do, gk, scale)
+        return out + 0.1 * q
+
+    with pytest.raises(AssertionError, match=r"dgk of chunk 0, tokens 0\.\.0 \(B=1"):
+        ex.check_chunk_gate_grad(wrong)
 
 
-def _inter_nan(q, gk, h, scale):
-    o = _inter(q, gk, h, scale)
-    o[:, -1] = float("nan")
-    return o
+def test_gate_grad_wrong_shape_rejected():
+    def wrong(h, dh, q, k, v, do, gk, scale):
+        return _gate_grad(h, dh, q, k, v, do, gk, scale).sum(-1)
+
+    with pytest.raises(AssertionError, match=r"dgk must be \[1, 1, 1, 4\]"):
+        ex.check_chunk_gate_grad(wrong)
 
 
-def _inter_not_a_tensor(q, gk, h, scale):
-    return _inter(q, gk, h, scale).tolist()
+# ---------------------------------------------------------------- exercise 2: the layer's backward, wired
+
+def _wired(q, k, v, g, do, dht, h0, cu_seqlens, scale, chunk_size, cumsum="right", use_dht=True, use_h0=True,
+           pad="last", sum_keys=True):
+    """A learner's wiring with knobs that break one thing at a time."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    Gg = {"right": lambda: chunk_local_cumsum(g, chunk_size, cu_seqlens),
+          "raw": lambda: g,
+          "natural": lambda: chunk_local_cumsum(g, chunk_size, cu_seqlens, scale=1.0),
+          "flat": lambda: chunk_local_cumsum(g, chunk_size)}[cumsum]()
+    h, _ = chunk_fwd_h(k, v, g=Gg, h0=h0 if use_h0 else None, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                       states_in_fp32=True)
+    dh, dh0 = chunk_bwd_dh(q, k, v, do, h0, dht if use_dht else None, scale, g=Gg, cu_seqlens=cu_seqlens,
+                           chunk_size=chunk_size, states_in_fp32=True)
+    lay = gla.ChunkLayout(1, T, cu_seqlens, chunk_size, q.device)
+    G = lay.to_chunks(Gg[..., None].repeat(1, 1, 1, K), pad=pad)
+    C = lay.C
+    dq, dk, dv, da = gla.intra_backward(lay.to_chunks(q), lay.to_chunks(k), lay.to_chunks(v), G,
+                                        h.view(C, H, K, V), lay.to_chunks(do), dh.view(C, H, K, V), scale)
+    da = lay.from_chunks(da)
+    return lay.from_chunks(dq), lay.from_chunks(dk), lay.from_chunks(dv), da.sum(-1) if sum_keys else da, dh0
 
 
-@pytest.mark.parametrize("wrong", [_inter_unscaled, _inter_not_decayed, _inter_decayed_to_end,
-                                   _inter_exclusive_cumsum, _inter_whole_output, _inter_wrong_shape,
-                                   _inter_nan, _inter_not_a_tensor])
-def test_inter_output_wrong_answer_rejected(wrong):
-    with pytest.raises(AssertionError):
-        ex.check_inter_output(wrong)
+def test_wiring_knobs_at_defaults_pass():
+    ex.check_layer_backward(_wired)
 
 
-# ---------------------------------------------------------------- exercise 2: dv from dh
+@pytest.mark.parametrize("knobs, message", [
+    (dict(cumsum="raw"), "the kernels got the per-token gate g itself"),
+    (dict(cumsum="natural"), "the gate's cumulative sum is in natural log"),
+    (dict(cumsum="flat"), "the gate's cumulative sum ignores cu_seqlens"),
+    (dict(use_dht=False), "dht never reached chunk_bwd_dh"),
+    (dict(use_h0=False), "chunk_fwd_h ran without h0"),
+    (dict(pad="zero"), "G was padded with zeros"),
+    (dict(sum_keys=False), r"dg must be \[1, T, H\].*summed over the key dimension"),
+], ids=["raw-gate", "natural-log", "across-sequences", "no-dht", "no-h0", "zero-padding", "dg-not-summed"])
+def test_wiring_mistake_named(knobs, message):
+    def wrong(*args):
+        return _wired(*args, **knobs)
 
-def _dv(q, k, v, gk, do, dh, scale, mask_offset=0, upper=False, inter=True, intra=True, to_end=True,
-        intra_scale=True, G=None):
-    """The solution with knobs to break one thing at a time."""
-    G = gk.cumsum(1) if G is None else G
-    Gamma = G[:, -1]
-    L = q.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool).tril(mask_offset)
-    if upper:
-        causal = causal.T
-    diff = (G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
-    P = torch.einsum("bihk,bjhk,bijhk->bhij", q, k, torch.exp(diff))
-    dv = torch.zeros_like(v)
-    if intra:
-        dv = dv + (scale if intra_scale else 1.0) * torch.einsum("bhij,bihv->bjhv", P, do)
-    if inter:
-        w = torch.exp(Gamma[:, None] - G) if to_end else torch.exp(G)
-        dv = dv + torch.einsum("bjhk,bhkv->bjhv", k * w, dh)
-    return dv
+    with pytest.raises(AssertionError, match=message):
+        ex.check_layer_backward(wrong)
 
 
-def test_chunk_dv_knobs_at_defaults_pass():
-    ex.check_chunk_dv(_dv)
+def test_wiring_unknown_mistake_names_the_gradient():
+    def wrong(*args):
+        dq, dk, dv, dg, dh0 = _wired(*args)
+        return dq, dk, dv, dg, 2 * dh0
+
+    with pytest.raises(AssertionError, match=r"packed lengths \[0, 1, 37, 20\], BT=16: dh0 vs autograd through the token loop"):
+        ex.check_layer_backward(wrong)
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(inter=False),                # forgets the later chunks (dh)
-    dict(intra=False),                # forgets the chunk's own outputs
-    dict(to_end=False),               # k_j ⊙ e^{G_j} instead of e^{Γ − G_j}
-    dict(mask_offset=-1),             # drops the diagonal (i = j)
-    dict(upper=True),                 # sums over i <= j instead of i >= j
-    dict(intra_scale=False),          # scale left out of the intra term
-], ids=["no-inter", "no-intra", "decay-from-start", "strict-mask", "wrong-side", "unscaled"])
-def test_chunk_dv_wrong_answer_rejected(knobs):
-    def wrong(q, k, v, gk, do, dh, scale):
-        return _dv(q, k, v, gk, do, dh, scale, **knobs)
-
-    with pytest.raises(AssertionError):
-        ex.check_chunk_dv(wrong)
-
-
-def test_chunk_dv_exclusive_cumsum_rejected():
-    def wrong(q, k, v, gk, do, dh, scale):
-        return _dv(q, k, v, gk, do, dh, scale, G=gk.cumsum(1) - gk)
-
-    with pytest.raises(AssertionError):
-        ex.check_chunk_dv(wrong)
+def test_wiring_not_a_tuple_rejected():
+    with pytest.raises(AssertionError, match=r"must return a tuple \(dq, dk, dv, dg, dh0\)"):
+        ex.check_layer_backward(lambda *args: list(_wired(*args)))
