@@ -3,8 +3,8 @@
 Top: a sequence in chunks grouped into splits; the forward stores ``h[s]`` where a split *starts*,
 the backward walks from ``dht`` to ``dh0`` and stores ``dh[s]`` where a split *ends* — and where
 fla-core 0.6.0 stores it instead when ``split_size > chunk_size`` (the end of the split's first
-chunk). Bottom: the weight a token gets inside its chunk: ``e^{Γ − G_t}`` on its key in the
-forward, ``e^{G_t}`` on its query in the backward.
+chunk). Bottom: the weight a token gets inside its chunk: ``2^{Γ − G_t}`` on its key in the
+forward, ``2^{G_t}`` on its query in the backward (``G`` the chunk-local cumsum in log2 units).
 
 Figure data come from a fixed generator so the committed file does not change between redraws.
 """
@@ -57,15 +57,15 @@ def draw(T: int = 160, BT: int = 32, BS: int = 64):
 
     gen = torch.Generator().manual_seed(0)
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, 1, generator=gen)) / 6
-    G = chunk_local_cumsum(g, BT, scale=1.0, dtype=torch.float64)[0, :, 0]
+    G = chunk_local_cumsum(g, BT, dtype=torch.float64)[0, :, 0]  # log2 units
     w_fwd = torch.empty(T, dtype=torch.float64)
     for s in starts:
         e = min(s + BT, T)
-        w_fwd[s:e] = torch.exp(G[e - 1] - G[s:e])
+        w_fwd[s:e] = torch.exp2(G[e - 1] - G[s:e])
     t = torch.arange(T).numpy()
-    ax2.step(t, w_fwd.numpy(), where="mid", color="C0", label=r"forward: key $k_t$ weighted by $e^{\Gamma - G_t}$")
-    ax2.step(t, torch.exp(G).numpy(), where="mid", color="C1",
-             label=r"backward: query $q_t$ weighted by $e^{G_t}$")
+    ax2.step(t, w_fwd.numpy(), where="mid", color="C0", label=r"forward: key $k_t$ weighted by $2^{\Gamma - G_t}$")
+    ax2.step(t, torch.exp2(G).numpy(), where="mid", color="C1",
+             label=r"backward: query $q_t$ weighted by $2^{G_t}$")
     for s in starts[1:]:
         ax2.axvline(s, color="gray", lw=0.6, ls=":")
     ax2.set(xlabel="token t", ylabel="weight", ylim=(0, 1.35), yticks=[0, 0.25, 0.5, 0.75, 1],

@@ -3,8 +3,8 @@
 Each entry ``P_ij`` (j < i) of a chunk's lower triangle is computed at exactly one level: the
 level whose block of 2·half tokens holds both tokens with ``i`` in its second half and ``j`` in its
 first, i.e. ``half`` = the highest power of two in ``i XOR j``. Its decay goes through ``r``, the
-last token of that first half: ``e^{G_i − G_r} · e^{G_r − G_j}``, both factors <= 1. The diagonal
-needs no decay.
+last token of that first half: ``2^{G_i − G_r} · 2^{G_r − G_j}`` (``G`` the chunk-local cumsum in
+log2 units), both factors <= 1. The diagonal needs no decay.
 """
 from __future__ import annotations
 
