@@ -16,14 +16,14 @@ from chunkstate.testing import check_close
 def _parts(h, dh, q, k, v, do, gk, scale, causal_offset=0, out_weight=None):
     """The solution's pieces with knobs that break one thing at a time."""
     L = q.shape[1]
-    G = gk.cumsum(1)
+    G = gk.cumsum(1) / math.log(2.0)  # chunk-local, log2 units
     Gamma = G[:, -1]
     causal = torch.ones(L, L, dtype=torch.bool).tril(causal_offset)
-    W = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf))
+    W = torch.exp2((G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf))
     P = torch.einsum("bihk,bjhk,bijhk->bhij", q, k, W)
     dA = scale * torch.einsum("bihv,bjhv->bhij", do, v) * causal
-    w_out = torch.exp(Gamma[:, None] - G) if out_weight is None else out_weight(G, Gamma)
-    dq_inter = scale * torch.exp(G) * torch.einsum("bhkv,bihv->bihk", h, do)
+    w_out = torch.exp2(Gamma[:, None] - G) if out_weight is None else out_weight(G, Gamma)
+    dq_inter = scale * torch.exp2(G) * torch.einsum("bhkv,bihv->bihk", h, do)
     dq_intra = torch.einsum("bhij,bjhk,bijhk->bihk", dA, k, W)
     dk_inter = w_out * torch.einsum("bhkv,bjhv->bjhk", dh, v)
     dk_intra = torch.einsum("bhij,bihk,bijhk->bjhk", dA, q, W)
@@ -56,8 +56,8 @@ def _strict_mask(*args):
     return dqa + dqb, dka + dkb, dva + dvb
 
 
-def _keys_leave_with_e_G(*args):  # e^{G_j} (the query's weight) instead of e^{Γ − G_j}
-    dqa, dqb, dka, dkb, dva, dvb = _parts(*args, out_weight=lambda G, Gamma: torch.exp(G))
+def _keys_leave_with_2_G(*args):  # 2^{G_j} (the query's weight) instead of 2^{Γ − G_j}
+    dqa, dqb, dka, dkb, dva, dvb = _parts(*args, out_weight=lambda G, Gamma: torch.exp2(G))
     return dqa + dqb, dka + dkb, dva + dvb
 
 
@@ -85,7 +85,7 @@ def test_knobs_at_defaults_reproduce_the_solution():
 
 
 @pytest.mark.parametrize("wrong", [_dv_without_dh, _dq_without_h, _h_and_dh_swapped, _strict_mask,
-                                   _keys_leave_with_e_G, _undecayed_exit, _unscaled, _two_outputs, _nan_in_dv])
+                                   _keys_leave_with_2_G, _undecayed_exit, _unscaled, _two_outputs, _nan_in_dv])
 def test_wrong_answer_rejected(wrong):
     with pytest.raises(AssertionError):
         ex.check_chunk_grads(wrong)
