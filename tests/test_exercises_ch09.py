@@ -33,8 +33,8 @@ def test_store_slot_wrong_answer_rejected(wrong):
 
 # ---- gv_dh ----
 
-def _torch_gv_dh(q, do, G, scale, BT, decay=True, exp=torch.exp2, weight="G", store_after=False):
-    """The backward scan in PyTorch from the log2 cumsum G, with knobs that make it wrong."""
+def _torch_gv_dh(q, do, Gv, scale, BT, decay=True, exp=torch.exp2, weight="Gv", store_after=False):
+    """The backward scan in PyTorch from the value gate's log2 cumsum Gv, with knobs that make it wrong."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     dh = q.new_zeros(B, H, K, V)
@@ -43,10 +43,10 @@ def _torch_gv_dh(q, do, G, scale, BT, decay=True, exp=torch.exp2, weight="G", st
         e = min(s + BT, T)
         if not store_after:
             out.append(dh)
-        last = G[:, e - 1]  # [B, H, V]
+        last = Gv[:, e - 1]  # [B, H, V]: Γ_v
         if decay:
             dh = dh * exp(last)[:, :, None, :]
-        w = exp(G[:, s:e]) if weight == "G" else exp(last[:, None] - G[:, s:e])
+        w = exp(Gv[:, s:e]) if weight == "Gv" else exp(last[:, None] - Gv[:, s:e])
         dh = dh + scale * torch.einsum("blhk,blhv->bhkv", q[:, s:e], do[:, s:e] * w)
         if store_after:
             out.append(dh)
@@ -65,8 +65,8 @@ def _natural_exp(q, do, gv, scale, chunk_size, BK, BV):  # e^x of log2 values
     return _torch_gv_dh(q, do, gv, scale, chunk_size, exp=torch.exp)
 
 
-def _forward_weights(q, do, gv, scale, chunk_size, BK, BV):  # 2^{Γ−G} (the forward's) instead of 2^{G}
-    return _torch_gv_dh(q, do, gv, scale, chunk_size, weight="Gamma-G")
+def _forward_weights(q, do, gv, scale, chunk_size, BK, BV):  # 2^{Γ_v−G_v} (the forward's) instead of 2^{G_v}
+    return _torch_gv_dh(q, do, gv, scale, chunk_size, weight="Gamma_v-Gv")
 
 
 def _unscaled(q, do, gv, scale, chunk_size, BK, BV):
