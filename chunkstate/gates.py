@@ -3,14 +3,15 @@
 A gate is a per-token *natural-log* decay: ``g`` [B,T,H] (scalar per head), ``gk`` [B,T,H,K]
 (per key dim), ``gv`` [B,T,H,V] (per value dim), ``g_gamma`` [H] (one constant per head).
 The kernels (like fla >= 0.5.2) take each per-token gate as a *chunk-local inclusive cumulative
-sum in log2 units*: inside chunk c, ``G[t] = log2(e) * sum(gate[c_start .. t])``; the sum restarts
-at every chunk (and at every sequence start in a packed batch), so within a chunk
-``G[last] - G[t] <= 0`` for decaying gates and ``exp2`` of it never overflows. ``g_gamma`` is
-passed as ``log2(e) * g_gamma``.
+sum in log2 units* (``G`` of chapter 00's notation; ``Gv`` for ``gv``): inside a chunk that starts
+at token c, ``G_t = log2(e) · Σ_{s=c..t} gate_s``; the sum restarts at every chunk (and at every
+sequence start in a packed batch), so within a chunk ``Γ − G_t <= 0`` for decaying gates (``Γ``:
+``G`` at the chunk's last token) and ``exp2`` of it never overflows. ``g_gamma`` is passed per
+token in log2 units, ``log2(e) · g_gamma``, and the kernels cumulate it themselves.
 
 **Decays of zero.** A gate of −inf (a decay of exactly zero: the state forgets everything) is
 allowed, but its cumulative sum is −inf from that token to the end of the chunk, and the
-kernels' ``2^{Γ − G}`` becomes −inf − (−inf) = NaN: the information the kernels need (the sum of
+kernels' ``2^(Γ − G)`` becomes −inf − (−inf) = NaN: the information the kernels need (the sum of
 the gates *after* the zero) is gone. So ``chunk_local_cumsum`` raises every gate below
 ``MIN_GATE`` = −160·ln 2 (a per-token decay below 2^−160 ≈ 7e−49) to ``MIN_GATE`` before summing,
 which keeps every sum finite. The kernels compute in fp32, where 2^x is 0 below x ≈ −150: no
@@ -80,7 +81,8 @@ def _chunk_ids(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device)
 def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Tensor | None = None,
                        scale: float = RCP_LN2, reverse: bool = False,
                        dtype: torch.dtype = torch.float32, floor: float | None = MIN_GATE) -> torch.Tensor:
-    """Chunk-local inclusive cumulative sum along time, times ``scale`` (default: to log2 units).
+    """Chunk-local inclusive cumulative sum along time, times ``scale`` (default: to log2 units,
+    the ``G`` / ``Gv`` the kernels take).
 
     Args:
         gate: [B, T, H] or [B, T, H, D] per-token natural-log gates (``g``, ``gk`` or ``gv``).

@@ -10,7 +10,13 @@ Per sequence and head the state is ``h ∈ R^{K×V}``. With *natural-log* per-to
 
 Shapes (time-major, like fla): ``q`` [B,T,HQ,K], ``k`` [B,T,H,K], ``v`` [B,T,H,V], ``g`` [B,T,H],
 ``g_gamma`` [H], ``gk`` [B,T,H,K], ``gv`` [B,T,H,V], ``h0`` [N,H,K,V]. A packed batch has B = 1 and
-``cu_seqlens`` [N+1]; otherwise N = B. Query head j reads state j // (HQ // H) (GQA).
+``cu_seqlens`` [N+1]; otherwise N = B. With GQA, ``HQ / H`` query heads share each state head:
+query head j reads state j // (HQ // H).
+
+The chunked and masked forms below cumulate the gates as chapter 00's notation does, in *log2
+units*: ``G_t = log2(e) · Σ a_s`` (key side), ``Gv_t = log2(e) · Σ b_s`` (value side), so a decay
+is ``2^(G_t − G_j)``; in :func:`chunked_states` the sums restart every chunk and ``Γ``, ``Γ_v`` are
+their values at the chunk's last token.
 
 States are stored at *split* boundaries: a split is ``split_size`` tokens (default
 ``chunk_size``) of one sequence; ``h[s]`` is the state *entering* split s, shaped
@@ -25,7 +31,7 @@ import math
 
 import torch
 
-from .gates import prepare_chunk_offsets
+from .gates import RCP_LN2, prepare_chunk_offsets
 
 
 def _f64(x):
@@ -69,7 +75,7 @@ def _scan(k, v, q=None, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seql
     a, b = _log_decays(B, T, H, K, V, g, g_gamma, gk, gv, k.device)
     segs = _segments(B, T, cu_seqlens)
     HQ = q.shape[2] if q is not None else H
-    G = HQ // H
+    group = HQ // H  # query heads per state head (GQA)
     states, finals = [], []
     outs = [[None] * T for _ in range(B)] if q is not None else None
     slot = 0
@@ -83,7 +89,7 @@ def _scan(k, v, q=None, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seql
                 S = S * torch.exp(b[bi, t])[:, None, :]
             S = S + k[bi, t][..., None] * v[bi, t][:, None, :]
             if q is not None:
-                S_q = S.repeat_interleave(G, 0) if G > 1 else S  # [HQ, K, V]
+                S_q = S.repeat_interleave(group, 0) if group > 1 else S  # [HQ, K, V]
                 outs[bi][t] = scale * torch.einsum("hkv,hk->hv", S_q, q[bi, t])
             if leaves is not None and ((t - bos) % split_size == split_size - 1 or t == eos - 1):
                 S = S + leaves[slot]
@@ -128,7 +134,8 @@ def state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, h0=None, dh
     Returns ``dh`` [B,NS,H,K,V]: the gradient w.r.t. the state *leaving* split s (after its last
     token), counting only outputs after split s and ``dht`` — what the backward kernel stores —
     and ``dh0`` [N,H,K,V], the gradient w.r.t. ``h0`` (zeros-initial state when ``h0`` is None).
-    With GQA (HQ = G·H) the gradient of a shared state sums over its G query heads.
+    With GQA (``HQ / H`` query heads per state head) the gradient of a shared state sums over
+    its query heads.
     """
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     split_size = split_size or chunk_size
@@ -163,10 +170,12 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
                    chunk_size=64, split_size=None):
     """The same states as :func:`recurrent_states`, one matmul per chunk (float64).
 
-    Inside a chunk of L tokens with chunk-local inclusive cumulative log-decays ``A_i`` (key side)
-    and ``Bv_i`` (value side), ``Γ = A_{L-1}``::
+    Inside a chunk of L tokens with the chunk-local inclusive cumulative log-decays in log2 units,
+    ``G_i`` (key side) and ``G_v,i`` (value side), and ``Γ = G_{L-1}``, ``Γ_v = G_v,L-1``::
 
-        h_out = diag(e^{Γ}) h_in diag(e^{Γv}) + (k ⊙ e^{Γ - A})ᵀ (v ⊙ e^{Γv - Bv})
+        h_out = diag(2^Γ) h_in diag(2^Γ_v) + (k_n ⊙ 2^(Γ − G))ᵀ (v_n ⊙ 2^(Γ_v − G_v))
+
+    with ``k_n`` [L, K], ``v_n`` [L, V] the chunk's rows.
 
     Every exponent is ``<= 0`` for decaying gates: nothing overflows however long the sequence.
     """
@@ -184,14 +193,14 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
             e = min(s + chunk_size, eos)
             if (s - bos) % split_size == 0:
                 states.append(S)
-            A = a[bi, s:e].cumsum(0)  # [L, H, K]
-            k_c = k[bi, s:e] * torch.exp(A[-1] - A)  # [L, H, K]
-            S = torch.exp(A[-1])[..., None] * S
+            G = RCP_LN2 * a[bi, s:e].cumsum(0)  # [L, H, K]  chunk-local, log2 units
+            k_c = k[bi, s:e] * torch.exp2(G[-1] - G)  # k_n ⊙ 2^(Γ − G)   [L, H, K]
+            S = torch.exp2(G[-1])[..., None] * S  # diag(2^Γ) h
             v_c = v[bi, s:e]
             if b is not None:
-                Bv = b[bi, s:e].cumsum(0)  # [L, H, V]
-                v_c = v_c * torch.exp(Bv[-1] - Bv)
-                S = S * torch.exp(Bv[-1])[:, None, :]
+                Gv = RCP_LN2 * b[bi, s:e].cumsum(0)  # [L, H, V]
+                v_c = v_c * torch.exp2(Gv[-1] - Gv)  # v_n ⊙ 2^(Γ_v − G_v)
+                S = S * torch.exp2(Gv[-1])[:, None, :]  # h diag(2^Γ_v)
             S = S + torch.einsum("lhk,lhv->hkv", k_c, v_c)
         finals.append(S)
     if cu_seqlens is None:
@@ -205,10 +214,11 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
 def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, scale=None):
     """The outputs in the masked "attention" form, no state at all (dense batches only)::
 
-        o_i = scale · Σ_{j<=i} Σ_k q_ik k_jk e^{A_ik - A_jk} · v_j ⊙ e^{Bv_i - Bv_j}
-              + scale · (q_i ⊙ e^{A_i})ᵀ h0 diag(e^{Bv_i})
+        o_i = scale · Σ_{j<=i} Σ_k q_ik k_jk 2^(G_ik − G_jk) · v_j ⊙ 2^(G_v,i − G_v,j)
+              + scale · (q_i ⊙ 2^(G_i))ᵀ h0 diag(2^(G_v,i))
 
-    with ``A``, ``Bv`` the inclusive cumulative log-decays over the whole sequence. O(T²) memory:
+    with ``G``, ``G_v`` the inclusive cumulative log-decays in log2 units over the whole sequence
+    (from its start, as in chapter 02). O(T²) memory:
     for checking the loop on small T only. Returns ``o`` [B,T,HQ,V] float64.
     """
     scale = k.shape[-1] ** -0.5 if scale is None else scale
@@ -217,16 +227,16 @@ def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, s
     HQ = q.shape[2]
     q, k, v = _f64(q), _f64(k), _f64(v)
     a, b = _log_decays(B, T, H, K, V, g, g_gamma, gk, gv, k.device)
-    A = a.cumsum(1)  # [B, T, H, K]
-    Bv = b.cumsum(1) if b is not None else torch.zeros_like(v)
-    rep = lambda x: x.repeat_interleave(HQ // H, 2)  # noqa: E731  KV head -> its query heads
-    A, Bv, k, v = rep(A), rep(Bv), rep(k), rep(v)
+    G = RCP_LN2 * a.cumsum(1)  # [B, T, H, K]  from the sequence start, log2 units
+    Gv = RCP_LN2 * b.cumsum(1) if b is not None else torch.zeros_like(v)
+    rep = lambda x: x.repeat_interleave(HQ // H, 2)  # noqa: E731  state head -> its query heads
+    G, Gv, k, v = rep(G), rep(Gv), rep(k), rep(v)
     causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()  # [i, j]: j <= i
-    dA = (A[:, :, None] - A[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
-    dB = (Bv[:, :, None] - Bv[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
-    scores = torch.einsum("bihk,bjhk,bijhk->bijh", q, k, torch.exp(dA))  # [B, T, T, HQ]
-    o = torch.einsum("bijh,bjhv,bijhv->bihv", scores, v, torch.exp(dB))
+    dG = (G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
+    dGv = (Gv[:, :, None] - Gv[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
+    scores = torch.einsum("bihk,bjhk,bijhk->bijh", q, k, torch.exp2(dG))  # [B, T, T, HQ]
+    o = torch.einsum("bijh,bjhv,bijhv->bihv", scores, v, torch.exp2(dGv))
     if h0 is not None:
         h0r = _f64(h0).repeat_interleave(HQ // H, 1)  # [B, HQ, K, V]
-        o = o + torch.einsum("bihk,bhkv->bihv", q * torch.exp(A), h0r) * torch.exp(Bv)
+        o = o + torch.einsum("bihk,bhkv->bihv", q * torch.exp2(G), h0r) * torch.exp2(Gv)
     return scale * o
