@@ -87,3 +87,49 @@ def test_knobs_at_defaults_reproduce_the_solution():
         return scale * (o_inter + o_intra), h_next
 
     ex.check_chunk_step(right)
+
+
+def _units_mixed(h, q, k, v, gk, scale):  # log2-unit G put through e^(...)
+    o_inter, o_intra, h_next, *_ = _parts(h, q, k, v, gk, scale, G=ex.RCP_LN2 * gk.cumsum(1))  # _parts uses e^(...)
+    return scale * (o_inter + o_intra), h_next
+
+
+CARRIED, OWN = "the carried-state term diag(2^Γ) h of h_next", "the chunk's own contribution (k_n ⊙ 2^(Γ − G))ᵀ v_n"
+PAST_O, OWN_O = "the past's term scale · (q_i ⊙ 2^(G_i))ᵀ h of o", "the chunk's own term of o"
+
+
+@pytest.mark.parametrize("wrong, named, right_terms", [
+    (_no_past, [PAST_O, "the state's term left out"], [CARRIED, OWN, OWN_O]),
+    (_state_not_decayed, [CARRIED, "the state not decayed"], [OWN, PAST_O, OWN_O]),
+    (_strict_mask, [OWN_O, "the diagonal masked out"], [CARRIED, OWN, PAST_O]),
+    (_flipped_exponent, [OWN_O, "the exponent flipped"], [CARRIED, OWN, PAST_O]),
+    (_exclusive_cumsum, [CARRIED, OWN, PAST_O, OWN_O, "an exclusive cumsum"], []),
+    (_unscaled, [PAST_O, OWN_O, "no scale"], [CARRIED, OWN]),
+    (_past_not_decayed_in_outputs, [PAST_O, "q not decayed"], [CARRIED, OWN, OWN_O]),
+    (_keys_weighted_by_G, [OWN, "keys weighted by 2^(G) instead of 2^(Γ − G)"], [CARRIED, PAST_O, OWN_O]),
+    (_units_mixed, [CARRIED, OWN, PAST_O, OWN_O, "a log2 cumsum put through e^(...)"], []),
+])
+def test_wrong_answer_names_the_term(wrong, named, right_terms):
+    with pytest.raises(AssertionError) as e:
+        ex.check_chunk_step(wrong)
+    message = str(e.value)
+    assert "chunk 0, tokens 0..31" in message or "leaving chunk 0" in message, message
+    for part in named:
+        assert part in message, (part, message)
+    for term in right_terms:  # the terms that are right are not blamed
+        assert term not in message, (term, message)
+
+
+def test_a_right_answer_names_no_term():
+    h, v = torch.randn(1, 2, 5, 3), torch.randn(1, 7, 2, 3)
+    q, k, gk = torch.randn(1, 7, 2, 5), torch.randn(1, 7, 2, 5), torch.nn.functional.logsigmoid(torch.randn(1, 7, 2, 5))
+    assert ex._diagnose(ex.chunk_step, "solution", h, q, k, v, gk, 0.5, 1e-5) == ""
+
+
+def test_natural_log_cumsum_through_exp2_is_named():
+    def natural_through_exp2(h, q, k, v, gk, scale):  # G = gk.cumsum(1) (natural log), then 2^(...)
+        o_inter, o_intra, h_next, *_ = _parts(h, q, k, v, gk, scale, G=gk.cumsum(1) / ex.RCP_LN2)
+        return scale * (o_inter + o_intra), h_next
+
+    with pytest.raises(AssertionError, match="a natural-log cumsum put through 2"):
+        ex.check_chunk_step(natural_through_exp2)
