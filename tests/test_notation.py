@@ -3,7 +3,8 @@ the notation tables of notebooks/00_overview.ipynb define, and no retired name a
 
 The tables' symbol and code columns are read from the notebook's JSON; the figures are those
 ``python -m chunkstate.figures`` draws (each module's ``main``, with ``save`` replaced by a
-collector), drawn with matplotlib's Agg backend, and their text is every ``Text`` artist: titles,
+collector) and the explorer's views (``chunkstate.explore.views``, chapter 03a's settings, every
+gate kind), drawn with matplotlib's Agg backend, and their text is every ``Text`` artist: titles,
 axis labels, legends, annotations. Symbols are found in mathtext (``$...$``) and in plain text
 where they read as symbols (``BT = 64``, ``N·H``, ``[B, T, H]``, ``B8 T1024``, ``2^(Γ − G_i)``).
 
@@ -199,6 +200,35 @@ def test_figures_use_only_the_notation(defined, module):
     texts = figure_texts(module)
     problems = violations(texts, defined)
     assert not problems, f"chunkstate.figures.{module}: text off chapter 00's notation:\n" + "\n".join(problems)
+
+
+EXPLORER_SETTINGS = dict(lengths=(72, 0, 9, 1, 46), strength=0.1, chunk_size=16, split_size=32, position=50,
+                         K=32, V=32, tile=16, pieces=1)  # chapter 03a's
+
+
+def _explorer_views():
+    from chunkstate.explore import views
+
+    return list(views.VIEWS)
+
+
+@pytest.mark.parametrize("view", _explorer_views())
+def test_explorer_views_use_only_the_notation(defined, view):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from chunkstate.explore import views
+
+    texts = {}
+    for gate in views.GATE_KINDS:
+        fig = views.render(view, gate=gate, **EXPLORER_SETTINGS)
+        texts[f"{view} ({gate})"] = {t.get_text() for t in fig.findobj(Text) if t.get_text().strip()}
+        plt.close(fig)
+    assert any(texts.values()), f"the view {view!r} drew no text"
+    problems = violations(texts, defined)
+    assert not problems, f"explorer view {view!r}: text off chapter 00's notation:\n" + "\n".join(problems)
 
 
 def test_the_figures_are_read():
