@@ -229,7 +229,8 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
                   start, end, decay_k=None, decay_v=None) -> None:
     """One launch of the forward kernel over N sequences (``states`` None: store none, only ``end``
     and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
-    narrow = g is not None and g_gamma is None and gv is None and tuning.narrow_v(tuning.occupancy_bucket(N * p.H))
+    narrow = (g is not None and g_gamma is None and gv is None
+              and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V)))
     args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 T=k.shape[1], H=p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,

@@ -105,7 +105,7 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
     # SMEM: the shared memory a block may use on this GPU (under a cap, if set), which tuning.prune
     # fits the candidates to; in the autotune key, so each device kind and cap is tuned apart
     smem = tuning.device_limits(next(iter(tma_inputs.values())).device).smem  # k or q: on the kernels' device
-    args = dict(args, OCCUPANCY=tuning.occupancy_bucket(N * H), TMA_OK=int(tma_ok), SMEM=smem)
+    args = dict(args, OCCUPANCY=tuning.launch_bucket(N, H, K, V), TMA_OK=int(tma_ok), SMEM=smem)
 
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)

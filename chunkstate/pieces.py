@@ -13,15 +13,18 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
 3. every piece runs the kernel again from ``S_p``, storing its states where the unsplit run
    would have stored them (pieces are whole splits, so the state slots line up).
 
-The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). It reads its
-inputs twice (1.5× the unsplit bytes), so it pays only below about one wave of programs:
-``auto_pieces`` decides, and ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``:
-never split).
+The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
+their inputs twice (1.5× the unsplit bytes) and a call costs three launches instead of one, about
+0.3 ms of host time on an H200 whatever the size, so they pay only for long sequences far below
+one wave of programs: ``auto_pieces`` decides with a measured cost model (``predicted_us``), and
+``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
 ``run`` one function that launches their kernel over a packed batch, and ``run`` calls it twice.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,18 +36,52 @@ from .kernel_parts import load_state, program_tile, store_state
 from .launch import Problem, serialised
 
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
-WAVES = 2  # auto_pieces aims at this many waves of programs
+PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
+
+# The cost model behind auto_pieces, in microseconds, measured on an H200 (figures/README.md, "The
+# pieces path: where its time goes"). Far below one wave a program's walk through its chunks is
+# bound by latency: about CHUNK_STEP_US per chunk whatever the tile (0.36-0.57 measured at
+# K, V = 64 and 128, forward and backward, with few programs). A call cut into pieces costs at least
+# PIECES_FIXED_US however little work it holds: three launches instead of one, their arguments
+# checked and bound, the workspace allocated (the host's time, 0.22-0.51 ms measured for 2-8
+# pieces), against one launch's 0.09-0.18 ms.
+CHUNK_STEP_US = 0.37
+PIECES_FIXED_US = 300.0
+SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
+PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
 
-def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int) -> int:
-    """How many pieces to cut each sequence into on a GPU of ``sms`` multiprocessors: 1 unless
-    programs (64×64 tiles) fill under half the SMs and sequences are long; then enough pieces for
-    about ``WAVES`` waves, none shorter than ``MIN_PIECE_TOKENS``."""
+def predicted_us(pieces: int, programs: int, chunks: int, sms: int) -> float:
+    """The cost model's time of one call whose launch has ``programs`` programs, each walking
+    ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one pass) on ``sms``
+    multiprocessors: latency-bound chunk steps, twice over (the two passes) on ``pieces`` times the
+    programs in ``ceil(programs·pieces / sms)`` waves, never under the fixed cost of the pieces path."""
+    if pieces == 1:
+        return chunks * CHUNK_STEP_US * _host.cdiv(programs, sms)
+    waves = _host.cdiv(programs * pieces, sms)
+    return max(PIECES_FIXED_US, 2 * _host.cdiv(chunks, pieces) * CHUNK_STEP_US * waves + SCAN_US)
+
+
+def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64) -> int:
+    """How many pieces to cut each sequence into on a GPU of ``sms`` multiprocessors: 1 unless one
+    pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
+    says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
+    split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
+    equals, the one with the least work on the GPU, then the fewest pieces)."""
     programs = N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
     if programs == 0 or programs >= sms // 2:
         return 1
-    most = max_len // max(MIN_PIECE_TOKENS, BS)
-    return max(1, min(_host.cdiv(WAVES * sms, programs), most))
+    chunks = _host.cdiv(max_len, BT)
+    one_pass = predicted_us(1, programs, chunks, sms)
+    best, best_key = 1, None
+    for P in PIECE_COUNTS:
+        if max_len < P * max(MIN_PIECE_TOKENS, BS):
+            break
+        t = predicted_us(P, programs, chunks, sms)
+        key = (t, 2 * _host.cdiv(chunks, P) * _host.cdiv(programs * P, sms))
+        if t < PIECES_MARGIN * one_pass and (best_key is None or key < best_key):
+            best, best_key = P, key
+    return best
 
 
 def choose(pieces, p: Problem) -> int:
@@ -53,7 +90,7 @@ def choose(pieces, p: Problem) -> int:
     if pieces is None:
         if INTERPRET:
             return 1
-        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count())
+        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces
@@ -74,6 +111,19 @@ def plan(lengths, BS: int, pieces: int) -> tuple[list[int], list[int]]:
         pos += L
         seq_pieces.append(len(cu_pieces) - 1)
     return cu_pieces, seq_pieces
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_on_device(lengths: tuple[int, ...], BS: int, pieces: int, device: torch.device):
+    """``plan`` and the offsets the kernels read, made once per (lengths, BS, pieces, device): a
+    repeated call plans nothing, copies nothing to the device and waits for nothing. Returns NP,
+    ``cu_pieces`` [NP + 1] int32, ``seq_pieces`` [N + 1] int32 and each piece's first state slot
+    [NP + 1] int64. Kernels only read these tensors."""
+    cu_host, seq_host = plan(lengths, BS, pieces)
+    cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=device)
+    seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=device)
+    _, piece_splits = _host.split_slots(_host.lengths(cu_host), BS, device)
+    return len(cu_host) - 1, cu_pieces, seq_pieces, piece_splits
 
 
 @triton.jit
@@ -119,9 +169,25 @@ def piece_scan_kernel(
         store_state(s_end + i_nh * K * V, b_s, o_k, o_v, K, V, STATE_V_FIRST)
 
 
-def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first):
-    """Run ``piece_scan_kernel``: returns S [NP, H, K, V] fp32 (layout as ``F``)."""
-    S = torch.empty_like(F)
+def _workspace(NP: int, p: Problem, use_gv: bool, device):
+    """F and S [NP, H, *state], decay_k [NP, H, K] and decay_v [NP, H, V] (None without gv), fp32,
+    as views of one allocation (each part starting on a 128-byte boundary): one allocation per
+    call instead of four."""
+    sizes = [NP * p.H * p.K * p.V] * 2 + [NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += _host.cdiv(n, 32) * 32
+    buf = torch.empty(max(total, 1), dtype=torch.float32, device=device)
+    F, S, decay_k, decay_v = (buf[a:a + n] for a, n in zip(starts, sizes))
+    return (F.view(NP, p.H, *p.state), S.view(NP, p.H, *p.state), decay_k.view(NP, p.H, p.K),
+            decay_v.view(NP, p.H, p.V) if use_gv else None)
+
+
+def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first, S=None):
+    """Run ``piece_scan_kernel``: returns S [NP, H, K, V] fp32 (layout as ``F``; written into ``S``
+    when given)."""
+    S = torch.empty_like(F) if S is None else S
     if N * H * K * V == 0:
         return S
     BK, BV = min(64, _host.next_power_of_2(K)), min(64, _host.next_power_of_2(V))
@@ -147,20 +213,13 @@ def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use
     launches the kernel over pieces packed along T (the wrapper packs a dense batch as one row);
     ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the last."""
     dev = states.device
-    cu_host, seq_host = plan(p.lengths, p.BS, pieces)
-    # cached per plan, so a repeated call copies nothing to the device and waits for nothing
-    cu_pieces = _host.on_device(cu_host, torch.int32, dev)
-    seq_pieces = _host.on_device(seq_host, torch.int32, dev)
-    _, piece_splits = _host.split_slots(_host.lengths(cu_host), p.BS, dev)
-    NP = len(cu_host) - 1
-    F = torch.empty(NP, p.H, *p.state, dtype=torch.float32, device=dev)
-    decay_k = torch.empty(NP, p.H, p.K, dtype=torch.float32, device=dev)
-    decay_v = torch.empty(NP, p.H, p.V, dtype=torch.float32, device=dev) if use_gv else None
+    NP, cu_pieces, seq_pieces, piece_splits = _plan_on_device(p.lengths, p.BS, pieces, dev)
+    F, S, decay_k, decay_v = _workspace(NP, p, use_gv, dev)
     # 1. each piece from zero: its contribution F_p and its total decay D_p
     run_pass(cu_seqlens=cu_pieces, split_offsets=None, N=NP, states=None, start=None, end=F,
              decay_k=decay_k, decay_v=decay_v)
     # 2. the true state entering each piece (leaving it, in reverse), and the end state
-    S = scan(F, decay_k, decay_v, start, end, seq_pieces, p.N, p.H, p.K, p.V, reverse, p.state_v_first)
+    scan(F, decay_k, decay_v, start, end, seq_pieces, p.N, p.H, p.K, p.V, reverse, p.state_v_first, S)
     # 3. each piece again from its true start, storing its states in place
     run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP, states=states.view(1, -1, *states.shape[2:]),
              start=S, end=None)

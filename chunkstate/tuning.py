@@ -189,6 +189,21 @@ def bucket_limits(sms: int | None = None) -> tuple[int, ...]:
     return sms // 8, sms // 4, sms, 4 * sms
 
 
+def pair_equivalents(N: int, H: int, K: int, V: int) -> int:
+    """How many (sequence, head) pairs of a K = V = 128 state a launch's work is worth, for the
+    occupancy bucket: N·H scaled by the state's share of a 128 × 128 one, ``min(K, 128)·min(V, 128)
+    / 128²``, rounded up. A smaller state has fewer 64 × 64 tiles to spread over the SMs (K = V = 64:
+    a quarter), so it meets the GPU's occupancy cliff at four times the pairs; states of 128 and
+    more count as one pair each, as the buckets were measured on them."""
+    return -(-N * H * min(K, 128) * min(V, 128) // (128 * 128))
+
+
+def launch_bucket(N: int, H: int, K: int, V: int, sms: int | None = None) -> int:
+    """The autotune key's ``OCCUPANCY`` for a launch over N sequences (or pieces), H heads and a
+    [K, V] state: ``occupancy_bucket(pair_equivalents(N, H, K, V))``."""
+    return occupancy_bucket(pair_equivalents(N, H, K, V), sms)
+
+
 def occupancy_bucket(pairs: int, sms: int | None = None) -> int:
     """The autotune key's ``OCCUPANCY``: N·H (sequence, head) ``pairs`` against the SM count,
     0 under 1/8 wave, 1 under 1/4, 2 under one wave, 3 under four waves, 4 beyond."""
@@ -220,7 +235,10 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     with deep prefetch (32×32, 4 stages: a program streams slowly, so more programs and more bytes
     in flight per program win); between an eighth and a quarter, 64×64 with deep prefetch (32×32
     re-reads k and v four times); around one wave 64×128 or 64×64; beyond, 128×64 / 64×128. In
-    bucket 1, 32×64 with 8 warps and 3 stages is there for the backward.
+    bucket 1, 32×64 with 8 warps and 3 stages is there for the backward. The last entries of each
+    list came from a second sweep over K, V ∈ {64, 128, 256} with K ≠ V (``figures/README.md``):
+    half-tiles (32×64, 64×32) where K or V is 64, 64×64 with 4 warps and 3 stages, and 64×128 with
+    2 stages for the backward at K = 64, V = 128.
 
     With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
     win (the pointer configs spill there); from a full wave on they tie with the best pointer
@@ -240,13 +258,16 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
         # pointer 64×128 with 4 warps won the backward at B4 T4096 H64
         return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False)]
     if bucket == 0:
-        out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5)]
+        out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5),
+               (32, 64, 4, 5), (32, 64, 8, 4), (64, 32, 8, 3)]
     elif bucket == 1:
-        out = [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 5), (32, 32, 4, 4), (32, 64, 8, 3)]
+        out = [(64, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 5), (32, 32, 4, 4), (32, 64, 8, 3),
+               (64, 64, 4, 3), (64, 32, 8, 4)]
     elif bucket == 2:
-        out = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2)]
+        out = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2),
+               (64, 64, 4, 3), (32, 64, 4, 3)]
     else:
-        out = [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3)]
+        out = [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3), (64, 128, 4, 2)]
     out = [(*t, False) for t in out]
     if tma and bucket == 1:
         out.append((64, 64, 4, 4, True))

@@ -206,8 +206,9 @@ def test_estimate_counts():
 
 
 def test_pieces_as_an_h200_would_choose():
-    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) is cut to reach two waves; B8 H16 fills the GPU.
-    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 17
+    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) walking 2,048 chunks is cut (the cost model: 8
+    # pieces, 128 programs in one wave); B8 H16 fills the GPU.
+    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 8
     assert bench.case_pieces(Case(B8, "fwd")) == 1
     # a pure function: auto_pieces with this machine's SM count, an H200's without a GPU
     assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64) == pieces.auto_pieces(
@@ -392,13 +393,16 @@ def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
     two = [tuning.INTERPRETER_CONFIG, tuning._config(32, 32, 4, 1)]
     monkeypatch.setattr(tuning, "ALL_CONFIGS", two)
     args = cli.parse_args(["--sweep", "--out", str(tmp_path)])
-    report = runner.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
+    report = runner.run_sweep([Shape(2, 100, 2, 64)], args, {"fresh": True, "dir": "x"})
     back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())
     assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
     for s in back["sweep"]:
         assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1, False], [32, 32, 4, 1, False]]
         assert all(t["ms"] == 1.0 and "error" not in t for t in s["timings"]) and len(s["top"]) == 2
     assert "BK= 64 BV= 64 warps=4 stages=1" in capsys.readouterr().out
+    # a 32 x 32 state: the 64-wide tile is not timed (it would only compute masked zeros)
+    report = runner.run_sweep([TINY[1]], args, {"fresh": True, "dir": "x"})
+    assert all([t["config"] for t in s["timings"]] == [[32, 32, 4, 1, False]] for s in report["sweep"])
 
 
 def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
@@ -413,11 +417,11 @@ def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
     monkeypatch.setattr(runner, "_timed", fake_timed)
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     case = Case(Shape(1, 131072, 4), "fwd")
-    assert bench.case_pieces(case) == 17
+    assert bench.case_pieces(case) == 8
     r = runner.run_case(case, None, libs, copy_tbps=4.0)
     assert calls == [{}, {"pieces": 1}]
     assert r["ours_one_pass"]["x_floor"] == pytest.approx(2 * r["ours"]["x_floor"])
-    assert "17 (2.000)" in bench.format_table([r])
+    assert "8 (2.000)" in bench.format_table([r])
 
     calls.clear()
     r = runner.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
@@ -623,3 +627,59 @@ def test_random_cli_plans_and_shards(capsys):
     assert cli.main(["--random", "3", "--shard", "2/2", "--plan"]) == 2
     assert cli.main(["--random", "3", "--n", "0", "--plan"]) == 2
     assert "shard" in capsys.readouterr().err
+
+
+# -- the pieces' cost model (chunkstate.pieces.auto_pieces)
+
+def test_pieces_cost_model_by_hand():
+    us = pieces.CHUNK_STEP_US
+    # one pass: 1,024 chunks of latency-bound steps, one wave
+    assert pieces.predicted_us(1, 32, 1024, 132) == pytest.approx(1024 * us)
+    # 4 pieces of 256 chunks, 128 programs in one wave, both passes, the scan; above the fixed cost
+    assert pieces.predicted_us(4, 32, 1024, 132) == pytest.approx(max(pieces.PIECES_FIXED_US, 2 * 256 * us + pieces.SCAN_US))
+    # 8 pieces: 256 programs, two waves
+    assert pieces.predicted_us(8, 32, 4096, 132) == pytest.approx(2 * 512 * us * 2 + pieces.SCAN_US)
+    assert pieces.predicted_us(2, 1, 10, 132) == pieces.PIECES_FIXED_US  # tiny work: the fixed cost
+
+
+@pytest.mark.parametrize("N, H, K, V, T", [(2, 4, 128, 128, 16384), (1, 2, 128, 128, 16384), (4, 2, 128, 128, 8192),
+                                           (8, 8, 64, 64, 8192), (4, 4, 64, 64, 4096)])
+def test_pieces_never_chosen_where_one_pass_is_short(N, H, K, V, T):
+    """The shapes where the old rule (cut below half a wave, aiming at two waves) lost 3-5x on an
+    H200: one pass takes under ~0.3 ms, the pieces path's fixed cost; the model keeps them whole."""
+    assert pieces.auto_pieces(N, H, K, V, T, 64, 132) == 1
+
+
+def test_pieces_chosen_for_long_sequences_far_below_a_wave():
+    for N, H, K, V, T in [(1, 8, 128, 128, 65536), (1, 4, 128, 128, 131072), (1, 2, 64, 64, 65536), (3, 1, 256, 64, 100_000)]:
+        P = pieces.auto_pieces(N, H, K, V, T, 64, 132)
+        programs = N * H * -(-K // 64) * -(-V // 64)
+        assert P in pieces.PIECE_COUNTS and T // P >= pieces.MIN_PIECE_TOKENS
+        assert pieces.predicted_us(P, programs, -(-T // 64), 132) < pieces.PIECES_MARGIN * pieces.predicted_us(
+            1, programs, -(-T // 64), 132)
+    assert pieces.auto_pieces(16, 8, 128, 128, 131072, 64, 132) == 1  # 512 programs: the GPU is full
+    assert pieces.auto_pieces(1, 4, 128, 128, 131072, 65536, 132) == 1  # splits of 64k: no piece fits twice
+
+
+def test_parse_shape_labels():
+    assert bench.parse_shape("B2 T4096 H48 K64 V128 g_gamma") == (Shape(2, 4096, 48, 64, 128), "g_gamma")
+    assert bench.parse_shape("B8 T1024 H12 D64") == (Shape(8, 1024, 12, 64, 64), None)
+    assert bench.parse_shape(" B1 T100 H2 gk ") == (Shape(1, 100, 2), "gk")
+    for label in ("varlen", "B2 T4096", "B2 T4096 H4 K64", "B2 T4096 H4 gv"):
+        assert bench.parse_shape(label) is None, label
+    for s in (Shape(2, 4096, 48, 64, 128), Shape(8, 1024, 12, 64), Shape(1, 65536, 8)):
+        assert bench.parse_shape(s.label) == (s, None)  # every dense label reads back
+
+
+def test_sweep_configs_skip_tiles_wider_than_the_state():
+    small = runner.sweep_configs(64, 32)
+    assert small and all(c.kwargs["BK"] <= 64 and c.kwargs["BV"] <= 32 for c in small)
+    assert len(runner.sweep_configs(128, 128)) == len(tuning.ALL_CONFIGS)
+    assert {tuning.config_tuple(c) for c in runner.sweep_configs(100, 48)} == {
+        tuning.config_tuple(c) for c in runner.sweep_configs(128, 64)}
+
+
+def test_sweep_cli_takes_whole_shapes_with_gates(capsys):
+    assert cli.main(["--sweep", "--shapes", "B2 T4096 H48 K64 V64 g_gamma", "B8 T1024 H8 D64", "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["B2 T4096 H48 D64 g_gamma", "B8 T1024 H8 D64 g"]

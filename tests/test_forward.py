@@ -598,7 +598,7 @@ NARROW_CONFIGS = list(dict.fromkeys(
 @gpu_only
 @pytest.mark.parametrize("cfg", NARROW_CONFIGS, ids=tuning.config_label)
 def test_gpu_every_narrow_v_config(cfg, device):
-    assert tuning.narrow_v(tuning.occupancy_bucket(ALL_CONFIG_SHAPE["B"] * ALL_CONFIG_SHAPE["H"]))
+    assert tuning.narrow_v(tuning.launch_bucket(ALL_CONFIG_SHAPE["B"], ALL_CONFIG_SHAPE["H"], ALL_CONFIG_SHAPE["K"], ALL_CONFIG_SHAPE["V"]))
     case = make_case(**ALL_CONFIG_SHAPE, dtype=torch.bfloat16, gate_names=("g",), use_h0=True, device=device)
     check_against_loop(case, TOL_BF16, TOL_BF16, 64, what=tuning.config_label(cfg), config=cfg, pieces=1)
 

@@ -303,7 +303,7 @@ def test_candidates_compile_side_by_side(direction, monkeypatch):
                                              pieces=1)
             ref, _ = reference.state_grads(q, k, v, do, g=g, scale=0.3, chunk_size=BT, split_size=BS)
     torch.cuda.synchronize()
-    candidates = tuning.prune(tuner.configs, dict(K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(B * H), TMA_OK=1))
+    candidates = tuning.prune(tuner.configs, dict(K=K, V=V, OCCUPANCY=tuning.launch_bucket(B, H, K, V), TMA_OK=1))
     assert started == [len(candidates)] and len(candidates) >= 2, (started, len(candidates))
     assert n_compiled([tuner.fn]) == counts[0], "the autotuner compiled a config the threads had not"
     check_close(out, ref, f"{direction} after compiling side by side", TOL)

@@ -6,8 +6,9 @@ Modes:
             varied alone (40 cases).
   --quick   four cases (two shapes × fwd, bwd).
   --full    every shape × {fwd, bwd} × {g, gk} × {bf16, fp32} × {None, 256} (176 cases).
-  --sweep   every config of tuning.ALL_CONFIGS (through config=, with pieces=1) on a few shapes,
-            fwd and bwd: the timings tuning.candidates is chosen from.
+  --sweep   every config of tuning.ALL_CONFIGS (through config=, with pieces=1; tiles no wider than
+            K, V need) on a few shapes, fwd and bwd: the timings tuning.candidates is chosen from.
+            --shapes may name whole shapes with a gate: --shapes "B2 T4096 H48 K64 V64 g_gamma".
   --gla     chunkstate.chunk_gla against fla's chunk_gla, forward and forward + backward.
   --random SEED [--n N]
             N shapes (default 30) drawn at random by SEED from realistic model sizes
@@ -39,7 +40,7 @@ import triton
 
 from ..env import INTERPRET
 from .model import (FLA_CONFIGS, RANDOM_DISTRIBUTION, SHAPES, SWEEP_SHAPES, estimate, format_plan, make_cases,
-                    random_cases, select_shapes, sweep_estimate)
+                    parse_shape, random_cases, select_shapes, sweep_estimate)
 
 
 def select_cases(cases, wanted):
@@ -102,9 +103,16 @@ def main(argv=None) -> int:
                   "one first call and one do_bench each")
             return 0
     elif mode == "sweep":
-        shapes = select_shapes(SHAPES if args.shapes else SWEEP_SHAPES, args.shapes)
+        # a --shapes entry written as a whole label (B.. T.. H.. [K.. V..] [gate]) is that shape;
+        # any other picks the suite's shapes whose label contains it
+        parsed = [parse_shape(w) for w in args.shapes or []]
+        named = [x for x in parsed if x]
+        filters = [w for w, x in zip(args.shapes or [], parsed) if not x]
+        picked = select_shapes(SHAPES, filters) if filters else () if named else SWEEP_SHAPES
+        shapes = [s for s, _ in named] + list(picked)
+        gates = [g or "g" for _, g in named] + ["g"] * len(picked)
         if args.plan:
-            print("\n".join(s.label for s in shapes))
+            print("\n".join(f"{s.label} {g}" for s, g in zip(shapes, gates)))
             print(f"estimate: {sweep_estimate(shapes)}")
             return 0
     else:
@@ -147,7 +155,7 @@ def main(argv=None) -> int:
 
             run_gla(args, cache)
         elif mode == "sweep":
-            runner.run_sweep(shapes, args, cache)
+            runner.run_sweep(shapes, args, cache, gates)
         else:
             runner.run_cases(cases, args, mode, cache, random_meta)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,21 @@ SHAPES = OWN_SHAPES + FLA_SHAPES
 VARIANT_SHAPES = OWN_SHAPES[:3]
 QUICK_SHAPES = (OWN_SHAPES[0], OWN_SHAPES[2])
 SWEEP_SHAPES = (OWN_SHAPES[2], OWN_SHAPES[1], OWN_SHAPES[0], FLA_SHAPES[3])  # N·H in occupancy buckets 0, 1, 2, 3
+
+
+_LABEL = re.compile(r"B(\d+) T(\d+) H(\d+)(?: D(\d+)| K(\d+) V(\d+))?(?: (none|g_gamma|gk|g))?")
+
+
+def parse_shape(label: str) -> tuple[Shape, str | None] | None:
+    """A dense shape written as its label, ``"B2 T4096 H48 K64 V128"`` (or ``D64``; K = V = 128 when
+    neither is given), optionally followed by a gate (``none``, ``g``, ``gk``, ``g_gamma``): the
+    shape and the gate (None when not given); None when ``label`` is not such a text."""
+    m = _LABEL.fullmatch(label.strip())
+    if not m:
+        return None
+    B, T, H, D, K, V, gate = m.groups()
+    K = int(D or K or 128)
+    return Shape(int(B), int(T), int(H), K, int(V) if V else K), gate
 
 
 def select_shapes(shapes, wanted: list[str] | None):
@@ -299,7 +315,7 @@ def geomean(xs) -> float | None:
 def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int) -> int:
     """``pieces.auto_pieces`` as the wrapper calls it on this machine's GPU (``tuning.sm_count()``),
     and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments."""
-    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count())
+    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT)
 
 
 def case_pieces(case: Case) -> int:
@@ -330,7 +346,7 @@ def ours_launches(case: Case) -> list[tuple[tuple, list]]:
     K, V = s.K, s.V
     P = case_pieces(case)
     sequences = s.N if P == 1 else len(pieces.plan(s.lengths, case.BS, P)[0]) - 1  # or pieces
-    bucket = tuning.occupancy_bucket(sequences * s.H)
+    bucket = tuning.launch_bucket(sequences, s.H, K, V)
     # the forward's NARROW_V is a constexpr chosen by the bucket (scalar gate g only)
     narrow = case.direction == "fwd" and case.gate == "g" and tuning.narrow_v(bucket)
     base = (case.direction, case.gate, case.BS, K, V, narrow)
@@ -390,7 +406,7 @@ def sweep_estimate(shapes) -> dict:
     """The same for ``--sweep``: every config compiled per specialization (K, V, and the forward's
     ``NARROW_V``), timed per shape and direction."""
     n = len(tuning.ALL_CONFIGS)
-    fwd_keys = {(s.K, s.V, tuning.narrow_v(tuning.occupancy_bucket(s.N * s.H))) for s in shapes}
+    fwd_keys = {(s.K, s.V, tuning.narrow_v(tuning.launch_bucket(s.N, s.H, s.K, s.V))) for s in shapes}
     bwd_keys = {(s.K, s.V) for s in shapes}
     compiles = n * (len(fwd_keys) + len(bwd_keys))
     measures = 2 * n * len(shapes)

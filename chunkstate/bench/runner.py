@@ -383,25 +383,37 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
     return report
 
 
-def run_sweep(shapes, args, cache: dict) -> dict:
-    """Time every config of ``tuning.ALL_CONFIGS`` (g gate, bf16 states, split None, ``pieces=1``)
-    per shape and direction; the JSON keeps all timings and the top 8 with the autotuner's
-    candidates marked."""
+def sweep_configs(K: int, V: int) -> list:
+    """The configs of ``tuning.ALL_CONFIGS`` a sweep times for a [K, V] state: tiles no wider than
+    K and V need (a wider one only computes masked zeros)."""
+    k, v = max(16, _next_pow2(K)), max(16, _next_pow2(V))
+    return [c for c in tuning.ALL_CONFIGS if c.kwargs["BK"] <= k and c.kwargs["BV"] <= v]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def run_sweep(shapes, args, cache: dict, gates=None) -> dict:
+    """Time every config of ``sweep_configs`` (bf16 states, split None, ``pieces=1``) per shape and
+    direction, each shape with its gate of ``gates`` (default g); the JSON keeps all timings and
+    the top 8 with the autotuner's candidates marked."""
+    gates = list(gates) if gates is not None else ["g"] * len(shapes)
     copy = copy_bandwidth()
     libs = Libraries(fla_all_configs=False, with_fla=False)
     report = {"meta": metadata("sweep", copy, None, cache), "sweep": []}
     json_path, _ = output_paths(args.out, "sweep")
     progress = Progress(len(shapes) * 2, "chunkstate.bench sweep")
     try:
-        for shape in shapes:
+        for shape, gate in zip(shapes, gates):
             inp = Inputs(shape)
             for direction in ("fwd", "bwd"):
-                case = Case(shape, direction)
+                case = Case(shape, direction, gate=gate)
                 progress.start(case.label)
-                bucket = tuning.occupancy_bucket(shape.N * shape.H)
+                bucket = tuning.launch_bucket(shape.N, shape.H, shape.K, shape.V)
                 total = sum(unique_bytes(case).values())
                 timings = []
-                for cfg in tuning.ALL_CONFIGS:
+                for cfg in sweep_configs(shape.K, shape.V):
                     fn = call(libs.ours, case, inp, pieces=1, config=cfg)
                     entry = {"config": list(tuning.config_tuple(cfg))}
                     try:
@@ -415,7 +427,7 @@ def run_sweep(shapes, args, cache: dict) -> dict:
                 chosen = [list(t) for t in tried_configs(shape.K, shape.V, bucket, case.gate)]
                 for t in ranked[:8]:
                     t["candidate"] = t["config"] in chosen
-                report["sweep"].append({"case": case.label, "shape": shape.label, "direction": direction,
+                report["sweep"].append({"case": case.label, "shape": shape.label, "direction": direction, "gate": gate,
                                         "occupancy_bucket": bucket, "total_bytes": total, "candidates": chosen,
                                         "top": ranked[:8], "timings": timings})
                 write_json(report, json_path)

@@ -66,15 +66,15 @@ def shape_label(row: dict, sep: str = " ") -> str:
 
 
 def bucket_of(row: dict) -> int:
-    """The autotune key's ``OCCUPANCY`` bucket of the row's N·H (dense rows: N = B)."""
+    """The autotune key's ``OCCUPANCY`` bucket of the row's launch (dense rows: N = B)."""
     from .. import tuning
 
-    B, _, H, _, _ = shape_of(row)
-    return tuning.occupancy_bucket(B * H)
+    B, _, H, K, V = shape_of(row)
+    return tuning.launch_bucket(B, H, K, V)
 
 
 def candidate_names(K: int, V: int, num_heads_total: int) -> list[str]:
-    """The configs the package's autotuner benchmarks on a first call for K, V and N·H heads:
+    """The configs the package's autotuner benchmarks on a first call for K, V and N·H (sequence, head) pairs:
     ``tuning.prune`` applied to ``tuning.ALL_CONFIGS`` as ``triton.autotune`` would apply it, for
     the sweep's inputs (bf16, the gate g, chunks of 64) and pointer loads (the sweep timed no TMA
     config; on a Hopper GPU bucket 1 adds one), fitted to this machine's GPU (an H200 without one)."""
@@ -82,7 +82,7 @@ def candidate_names(K: int, V: int, num_heads_total: int) -> list[str]:
 
     from .. import tuning
 
-    kept = tuning.prune(tuning.ALL_CONFIGS, {}, K=K, V=V, OCCUPANCY=tuning.occupancy_bucket(num_heads_total),
+    kept = tuning.prune(tuning.ALL_CONFIGS, {}, K=K, V=V, OCCUPANCY=tuning.launch_bucket(num_heads_total, 1, K, V),
                         BT=64, USE_G=True, k=torch.bfloat16)
     return list(dict.fromkeys(config_name(c) for c in kept))
 
