@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkstate import reference
-from chunkstate.gates import prepare_chunk_offsets
+from chunkstate.gates import RCP_LN2, prepare_chunk_offsets
 from chunkstate.testing import Check, check_close
 
 f64 = torch.float64
@@ -76,15 +76,18 @@ def log_decays(gates, B, T, H, K, V):
     return a, b
 
 
-def backward_recurrence(q, do, a, b, dht, scale, split_size, G):
+def backward_recurrence(q, do, a, b, dht, scale, split_size, group):
     """dh leaving each split and dh0 for one sequence, written out by hand (no autograd).
 
-    q [L,HQ,K], do [L,HQ,V], a [L,H,K], b [L,H,V] (natural-log decays), dht [H,K,V] or None.
-    With A, Bv the cumulative log-decays from the start of split s to token t (inclusive), the
-    state entering split s, h_in, reaches token t as diag(e^{A_t}) h_in diag(e^{Bv_t}), so::
+    q [L,HQ,K], do [L,HQ,V], a [L,H,K], b [L,H,V] (natural-log decays), dht [H,K,V] or None;
+    ``group`` = HQ / H query heads per state head. With G, G_v the cumulative log-decays in log2
+    units from the start of split s to token t (inclusive), the state entering split s, h_in,
+    reaches token t as diag(2^(G_t)) h_in diag(2^(G_v,t)), so::
 
-        dh[s-1] = diag(e^{A_last}) dh[s] diag(e^{Bv_last})
-                  + scale · Σ_{t in s} Σ_{query heads of h} (q_t ⊙ e^{A_t}) ⊗ (do_t ⊙ e^{Bv_t})
+        dh[s-1] = diag(2^Γ) dh[s] diag(2^Γ_v)
+                  + scale · Σ_{t in s} Σ_{query heads of h} (q_t ⊙ 2^(G_t)) ⊗ (do_t ⊙ 2^(G_v,t))
+
+    with Γ, Γ_v their values at the split's last token.
     """
     L, H, K = a.shape
     V = b.shape[-1]
@@ -94,11 +97,11 @@ def backward_recurrence(q, do, a, b, dht, scale, split_size, G):
     for i in reversed(range(len(starts))):
         leaving[i] = dh
         s0, s1 = starts[i], min(starts[i] + split_size, L)
-        A, Bv = a[s0:s1].cumsum(0), b[s0:s1].cumsum(0)  # [l, H, K], [l, H, V]
-        qg = q[s0:s1].view(s1 - s0, H, G, K) * torch.exp(A)[:, :, None]
-        dog = do[s0:s1].view(s1 - s0, H, G, V) * torch.exp(Bv)[:, :, None]
+        G, Gv = RCP_LN2 * a[s0:s1].cumsum(0), RCP_LN2 * b[s0:s1].cumsum(0)  # [l, H, K], [l, H, V]
+        qg = q[s0:s1].view(s1 - s0, H, group, K) * torch.exp2(G)[:, :, None]
+        dog = do[s0:s1].view(s1 - s0, H, group, V) * torch.exp2(Gv)[:, :, None]
         contrib = scale * torch.einsum("thgk,thgv->hkv", qg, dog)
-        dh = torch.exp(A[-1])[:, :, None] * dh * torch.exp(Bv[-1])[:, None, :] + contrib
+        dh = torch.exp2(G[-1])[:, :, None] * dh * torch.exp2(Gv[-1])[:, None, :] + contrib
     return leaving, dh
 
 
@@ -149,17 +152,17 @@ def test_states_without_gates_are_prefix_sums():
 
 @pytest.mark.parametrize("which", GATE_SETS, ids=gate_ids)
 def test_outputs_match_parallel_form(which):
-    for i, ((B, T, H, K, V), G) in enumerate([((2, 63, 2, 5, 7), 1), ((1, 100, 2, 7, 5), 2),
+    for i, ((B, T, H, K, V), group) in enumerate([((2, 63, 2, 5, 7), 1), ((1, 100, 2, 7, 5), 2),
                                               ((2, 1, 1, 24, 33), 3), ((1, 63, 1, 33, 24), 3)]):
         use_h0 = (i + GATE_SETS.index(which)) % 2 == 1  # each gate set sees both, over the shapes
-        q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=G * H)
+        q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=group * H)
         gates = make_gates(which, B, T, H, K, V)
         h0 = h0 if use_h0 else None
         scale = float(torch.rand(()) + 0.1)
         o_ref, ht = reference.recurrent_outputs(q, k, v, **gates, h0=h0, scale=scale)
-        assert o_ref.shape == (B, T, G * H, V)
+        assert o_ref.shape == (B, T, group * H, V)
         o = reference.parallel_outputs(q, k, v, **gates, h0=h0, scale=scale)
-        what = f"{'+'.join(which) or 'no gate'}, h0={use_h0}, B{B} T{T} HQ={G}H"
+        what = f"{'+'.join(which) or 'no gate'}, h0={use_h0}, B{B} T{T} HQ={group}H"
         check_close(o, o_ref, f"o (parallel vs loop), {what}", TOL)
         _, ht_states = reference.recurrent_states(k, v, **gates, h0=h0)
         check_close(ht, ht_states, f"ht (outputs vs states), {what}", TOL)
@@ -174,23 +177,23 @@ def test_default_scale_is_inverse_sqrt_k():
 
 
 @pytest.mark.parametrize("which", [(), ("g",), ("gk", "gv"), GATES], ids=["no_gate", "g", "gk+gv", "all"])
-@pytest.mark.parametrize("G", [1, 2, 3])
-def test_outputs_at_chunk_ends_read_the_stored_states(which, G):
+@pytest.mark.parametrize("group", [1, 2, 3])  # query heads per state head, HQ / H
+def test_outputs_at_chunk_ends_read_the_stored_states(which, group):
     """o_t for the last token of chunk n is scale · h[n+1]ᵀ q_t: the state entering chunk n+1 is the
     state after that token. The sequence's last token reads ht."""
     B, T, H, K, V, BT = 2, 100, 2, 7, 5, 16
-    q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=G * H)
+    q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=group * H)
     gates = make_gates(which, B, T, H, K, V)
     scale = 0.3
     o, ht = reference.recurrent_outputs(q, k, v, **gates, h0=h0, scale=scale)
     h, ht_states = reference.recurrent_states(k, v, **gates, h0=h0, chunk_size=BT)
-    head = torch.arange(G * H) // G  # the state each query head reads (GQA)
+    head = torch.arange(group * H) // group  # the state each query head reads (GQA)
     for n in range(h.shape[1] - 1):
         t = (n + 1) * BT - 1
         want = scale * torch.einsum("bhkv,bhk->bhv", h[:, n + 1][:, head], q[:, t])
-        check_close(o[:, t], want, f"o at the end of chunk {n}, HQ={G}H", TOL)
+        check_close(o[:, t], want, f"o at the end of chunk {n}, HQ={group}H", TOL)
     want = scale * torch.einsum("bhkv,bhk->bhv", ht_states[:, head], q[:, -1])
-    check_close(o[:, -1], want, f"o at the last token vs ht, HQ={G}H", TOL)
+    check_close(o[:, -1], want, f"o at the last token vs ht, HQ={group}H", TOL)
     check_close(ht, ht_states, "ht (outputs vs states)", TOL)
 
 
@@ -204,9 +207,9 @@ GRAD_GATE_SETS = [(), ("g",), ("g_gamma",), ("gk",), ("gv",), ("g", "gk"), ("g_g
 @pytest.mark.parametrize("which", GRAD_GATE_SETS, ids=["+".join(c) or "no_gate" for c in GRAD_GATE_SETS])
 def test_state_grads_match_backward_recurrence(which):
     j = GRAD_GATE_SETS.index(which)
-    for i, ((B, T, H, K, V, BT, BS), G) in enumerate(zip(SHAPES, [1, 2, 3, 1, 2, 3])):
+    for i, ((B, T, H, K, V, BT, BS), group) in enumerate(zip(SHAPES, [1, 2, 3, 1, 2, 3])):
         use_h0, use_dht = [(False, False), (True, False), (False, True), (True, True)][(i + j) % 4]
-        q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=G * H)
+        q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=group * H)
         gates = make_gates(which, B, T, H, K, V)
         h0, dht = (h0 if use_h0 else None), (dht if use_dht else None)
         scale = float(torch.rand(()) + 0.1)
@@ -215,10 +218,10 @@ def test_state_grads_match_backward_recurrence(which):
         NS = math.ceil(T / BS)
         assert dh.shape == (B, NS, H, K, V) and dh0.shape == (B, H, K, V)
         a, b = log_decays(gates, B, T, H, K, V)
-        what = f"{'+'.join(which) or 'no gate'}, h0={use_h0}, dht={use_dht}, B{B} T{T} BS{BS} HQ={G}H"
+        what = f"{'+'.join(which) or 'no gate'}, h0={use_h0}, dht={use_dht}, B{B} T{T} BS{BS} HQ={group}H"
         for bi in range(B):
             leaving, want_dh0 = backward_recurrence(q[bi], do[bi], a[bi], b[bi],
-                                                    None if dht is None else dht[bi], scale, BS, G)
+                                                    None if dht is None else dht[bi], scale, BS, group)
             check_close(dh[bi], torch.stack(leaving), f"dh[{bi}], {what}", TOL)
             check_close(dh0[bi], want_dh0, f"dh0[{bi}], {what}", TOL)
 
@@ -227,8 +230,8 @@ def test_state_grads_match_backward_recurrence(which):
 def test_dh0_matches_autograd_through_parallel_form(which):
     """dh0 = d/dh0 [Σ o·do + Σ ht·dht], with o from the attention form and ht from the chunked
     form: neither shares code with the token loop that state_grads differentiates."""
-    B, T, H, K, V, G = 2, 63, 2, 5, 7, 2
-    q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=G * H)
+    B, T, H, K, V, group = 2, 63, 2, 5, 7, 2
+    q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=group * H)
     gates = make_gates(which, B, T, H, K, V)
     scale = 0.7
     h0_leaf = h0.clone().requires_grad_(True)
@@ -243,8 +246,8 @@ def test_state_grads_match_finite_differences():
     """The loss is linear in the state, so a central difference along any direction u is exact up to
     rounding: <dh0, u> = (L(h0 + u) - L(h0 - u)) / 2. Likewise dh[s] is dh0 of the suffix that starts
     from the state leaving split s."""
-    B, T, H, K, V, BS, G = 1, 63, 2, 5, 7, 16, 2
-    q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=G * H)
+    B, T, H, K, V, BS, group = 1, 63, 2, 5, 7, 16, 2
+    q, k, v, do, h0, dht = make_inputs(B, T, H, K, V, HQ=group * H)
     gates = make_gates(GATES, B, T, H, K, V)
     scale = 0.5
 
@@ -272,8 +275,8 @@ def test_state_grads_match_finite_differences():
 
 def test_token_loop_passes_gradcheck():
     """state_grads is autograd through the token loop: gradcheck that loop in every input."""
-    B, T, H, K, V, G = 1, 5, 1, 3, 2, 2
-    q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=G * H)
+    B, T, H, K, V, group = 1, 5, 1, 3, 2, 2
+    q, k, v, _, h0, _ = make_inputs(B, T, H, K, V, HQ=group * H)
     g, gk, gv = decay(B, T, H), decay(B, T, H, K), decay(B, T, H, V)
     g_gamma = decay(H)
     inputs = [x.requires_grad_(True) for x in (q, k, v, g, g_gamma, gk, gv, h0)]
@@ -293,10 +296,10 @@ def test_token_loop_passes_gradcheck():
                          ids=lambda cu: "cu" + "-".join(map(str, cu)))
 @pytest.mark.parametrize("which", [(), ("g",), ("g_gamma", "gk"), GATES], ids=["no_gate", "g", "g_gamma+gk", "all"])
 def test_varlen_matches_each_sequence_alone(which, cu):
-    T, H, K, V, G, BT, BS = cu[-1], 2, 5, 7, 2, 16, 32
+    T, H, K, V, group, BT, BS = cu[-1], 2, 5, 7, 2, 16, 32
     N = len(cu) - 1
     cu_seqlens = torch.tensor(cu, dtype=torch.long)
-    q, k, v, do, h0, dht = make_inputs(1, T, H, K, V, HQ=G * H, N=N)
+    q, k, v, do, h0, dht = make_inputs(1, T, H, K, V, HQ=group * H, N=N)
     gates = make_gates(which, 1, T, H, K, V)
     scale = 0.4
     h, ht = reference.recurrent_states(k, v, **gates, h0=h0, cu_seqlens=cu_seqlens, chunk_size=BT, split_size=BS)
