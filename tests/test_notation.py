@@ -231,6 +231,21 @@ def test_explorer_views_use_only_the_notation(defined, view):
     assert not problems, f"explorer view {view!r}: text off chapter 00's notation:\n" + "\n".join(problems)
 
 
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebooks_use_no_retired_name(path):
+    """Markdown and code of every chapter: no retired name (module docstring)."""
+    problems = []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        text = "".join(cell["source"])
+        for why, pattern in BANNED.items():
+            for m in pattern.finditer(text):
+                problems.append(f"cell {i} ({cell['cell_type']}): ...{text[max(0, m.start() - 30):m.end() + 20]!r}...: {why}")
+    assert not problems, f"{path.name}: retired names:\n" + "\n".join(problems)
+
+
 def test_the_figures_are_read():
     """The collector sees the figures' text (else the test above passes vacuously)."""
     texts = {**figure_texts("chunking"), **figure_texts("gates"), **figure_texts("recurrence")}
