@@ -15,8 +15,9 @@ The scalar gates ``g`` / ``g_gamma`` scale q's tokens and all of ``dh``; ``gk`` 
 and ``dh``'s rows; ``gv`` scales do per value and ``dh``'s columns. They compose: any combination
 may be given. After the first chunk ``dh`` is the gradient w.r.t. the initial state, ``dh0``.
 
-GQA (HQ = G·H query heads, query head j reading KV head j // G): the program of KV head h adds
-the G query heads of its group each chunk, so ``dh`` has H heads and needs no atomics.
+GQA (HQ query heads, a multiple of H; query head j reads KV head j // (HQ / H)): the program of
+KV head h adds the HQ / H query heads of its group each chunk, so ``dh`` has H heads and needs no
+atomics.
 The parts the kernel is built from (and the fast paths behind them) are in ``kernel_parts``.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def chunk_bwd_kernel_dh(
     TMA_OK,  # autotune key only: 1 when q, do, gk, gv can be read through TMA descriptors
     SMEM,  # autotune key only: bytes of shared memory a block may use on this GPU (tuning.device_limits)
     H: tl.constexpr,
-    NG: tl.constexpr,  # G: query heads per KV head (HQ = NG·H)
+    NG: tl.constexpr,  # HQ / H: query heads per KV head (the GQA group)
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -128,9 +129,9 @@ def chunk_bwd_kernel_dh(
             b_dof = tl.where(m_t[:, None], tl.math.exp2(b_gv), 0.0)  # [BT, BV]
         b_qf = query_factor(src_gk, b_gq, scale, i_t, i_h, i_k, T, H, K, BT, BK, USE_GK, USE_TMA)  # scale·2^{G}
 
-        # The chunk's outputs, summed over the G query heads that read this KV head. A loop, not
+        # The chunk's outputs, summed over the NG = HQ / H query heads that read this KV head. A loop, not
         # tl.static_range: the software pipeliner multi-buffers every unrolled head's tiles (fp32
-        # with G = 8 then needs 320 KB of shared memory at BK = BV = 64, over an H200's 227 KB).
+        # with NG = 8 then needs 320 KB of shared memory at BK = BV = 64, over an H200's 227 KB).
         for i_g in range(NG):
             b_q = load_scaled_query(src_q, b_qf, i_t, i_h * NG + i_g, i_k, T, HQ, K, BT, BK, USE_TMA)  # [BK, BT]
             b_do = load_rows(src_do, i_t, i_h * NG + i_g, i_v, T, HQ, V, BT, BV, USE_TMA)  # [BT, BV]
@@ -182,7 +183,7 @@ def chunk_bwd_dh(
     outputs of the forward recurrence (``chunk_fwd_h``'s docstring; S_t the state after token t).
 
     Args:
-        q: [B, T, HQ, K] queries; HQ = G·H (GQA: query head j reads KV head j // G).
+        q: [B, T, HQ, K] queries; HQ a multiple of H (GQA: query head j reads KV head j // (HQ / H)).
         k: [B, T, H, K], v: [B, T, H, V]: read for their shapes and dtype only (q, do, k, v share
             one float dtype; fp16/bf16/fp32).
         do: [B, T, HQ, V] gradient of the outputs.
@@ -210,7 +211,7 @@ def chunk_bwd_dh(
             autotuning.
     Returns:
         dh: [B, NS, H, K, V], ``dh[:, s]`` the gradient w.r.t. the state *leaving* split s (after
-            its last token), counting the outputs after split s and ``dht``; summed over the G
+            its last token), counting the outputs after split s and ``dht``; summed over the HQ / H
             query heads of each KV head (NS = ceil(T / BS); packed: [1, Σ_n ceil(L_n / BS), H, K, V]).
             With ``split_size`` = ``chunk_size`` this is fla's ``dh``.
         dh0: [N, H, K, V] fp32 gradient w.r.t. ``h0`` (= ``dht``, or 0, for an empty sequence), or
@@ -231,7 +232,7 @@ def chunk_bwd_dh(
     k = _validate.tensor("k", k, (B, T, None, K), like=q)
     H = k.shape[2]
     if (H == 0 and HQ != 0) or (H > 0 and (HQ == 0 or HQ % H)):
-        raise ValueError(f"q must have a positive multiple of k's H={H} heads (GQA: HQ = G·H), got HQ={HQ}")
+        raise ValueError(f"q must have a positive multiple of k's H={H} heads (GQA: HQ / H query heads per KV head), got HQ={HQ}")
     v = _validate.tensor("v", v, (B, T, H, None), like=q)
     V = v.shape[-1]
     do = _validate.tensor("do", do, (B, T, HQ, V), like=q)

@@ -4,9 +4,10 @@ The op puts the pieces of the package together. Per (sequence, head), with natur
 gates (scalar ``g`` and/or per-key ``gk``; their sum ``a_t`` is the log-decay of the key side), the
 token recurrence ``S_t = diag(e^{a_t}) S_{t-1} + k_t v_tᵀ``, ``o_t = s · S_tᵀ q_t`` is computed a
 chunk of BT tokens at a time. Inside chunk n, with ``G`` the chunk-local inclusive cumulative sum
-of ``a`` and ``Γ = G[last token]``::
+of ``a`` in log2 units (``G_i = log2(e) · Σ_{t≤i} a_t``, chapter 00's notation) and ``Γ = G[last
+token]``::
 
-    o_i  = s · [ (q_i ⊙ e^{G_i})ᵀ h[n]  +  Σ_{j≤i} P_ij v_j ],   P_ij = Σ_k q_ik k_jk e^{G_ik − G_jk}
+    o_i  = s · [ (q_i ⊙ 2^{G_i})ᵀ h[n]  +  Σ_{j≤i} P_ij v_j ],   P_ij = Σ_k q_ik k_jk 2^{G_ik − G_jk}
 
 - the *inter-chunk* part reads ``h[n]``, the state entering chunk n, from the kernel
   ``chunk_fwd_h`` (one program per state tile walks the chunks in order);
@@ -16,37 +17,38 @@ The backward is the same split (NOTES.md §2). The kernel ``chunk_bwd_dh`` gives
 gradient w.r.t. the state *leaving* chunk n (outputs after it, plus ``dht``), and ``dh0``; then per
 chunk, with ``dA_ij = s · do_i·v_j`` (j ≤ i)::
 
-    dv_j = s · Σ_{i≥j} P_ij do_i  +  (k_j ⊙ e^{Γ−G_j})ᵀ dh[n]
-    dq_i = s · e^{G_i} ⊙ (h[n] do_i)  +  Σ_{j≤i} dA_ij · k_j ⊙ e^{G_i−G_j}
-    dk_j = e^{Γ−G_j} ⊙ (dh[n] v_j)     +  Σ_{i≥j} dA_ij · q_i ⊙ e^{G_i−G_j}
+    dv_j = s · Σ_{i≥j} P_ij do_i  +  (k_j ⊙ 2^{Γ−G_j})ᵀ dh[n]
+    dq_i = s · 2^{G_i} ⊙ (h[n] do_i)  +  Σ_{j≤i} dA_ij · k_j ⊙ 2^{G_i−G_j}
+    dk_j = 2^{Γ−G_j} ⊙ (dh[n] v_j)     +  Σ_{i≥j} dA_ij · q_i ⊙ 2^{G_i−G_j}
     dG_i = q_i ⊙ dq_i − k_i ⊙ dk_i      (+ at the chunk's last token: Σ_j k_j ⊙ dk_inter_j
-                                           + e^{Γ} ⊙ Σ_v h[n] ⊙ dh[n])
+                                           + 2^{Γ} ⊙ Σ_v h[n] ⊙ dh[n])
 
-and since ``G`` is a cumulative sum of ``a``, ``da`` is the *reverse* cumulative sum of ``dG``
-inside each chunk: ``dgk = da``, ``dg = Σ_k da``.
+Here ``dG_i`` is the gradient w.r.t. the *natural-log* partial sum ``Σ_{t≤i} a_t`` (since
+``2^{G_i}`` is ``e`` to that sum, its derivative is ``2^{G_i}`` itself, no ln 2 anywhere), so
+``da`` is the *reverse* cumulative sum of ``dG`` inside each chunk: ``dgk = da``, ``dg = Σ_k da``.
 
 Summed that way, ``da`` cancels terms of size O(1) that appear once with each sign: the diagonal
 ``dA_ii q_i ⊙ k_i`` (in both ``q_i ⊙ dq_i`` and ``k_i ⊙ dk_i``) and ``k_j ⊙ dk_inter_j`` (at j and
 in the last token's term). Under strong decays the true ``da`` is tiny (e^{-40} at a gate of -40
-per token) and that rounding noise (~1e-7) would be all that is left. So the op sums the same
+per token, 2^{−58}) and that rounding noise (~1e-7) would be all that is left. So the op sums the same
 terms without the pairs that cancel exactly::
 
     da_t = Σ_{i≥t} [q_i ⊙ (dq_inter_i + dq_strict_i) − k_i ⊙ dk_strict_i]     (reverse cumsum)
          + Σ_{j<t} k_j ⊙ dk_inter_j                                          (exclusive cumsum)
-         + e^{Γ} ⊙ Σ_v h[n] ⊙ dh[n]
+         + 2^{Γ} ⊙ Σ_v h[n] ⊙ dh[n]
 
 with ``dq_strict``, ``dk_strict`` the intra-chunk sums over j < i only.
 
 Design choices, each for clarity or safety:
 
 - **Units.** The kernels take the gates' chunk-local cumsums in log2 units
-  (``gates.chunk_local_cumsum``); the PyTorch part uses the very same tensors with ``exp2``
-  (``2^{G/ln 2} = e^{G}``). The gradient formulas above are w.r.t. the natural-log gates.
-- **No overflow under strong decays.** A factor ``e^{G_i}`` or ``e^{Γ−G_j}`` is ≤ 1 for decaying
-  gates. ``e^{G_i − G_j}`` is never split into ``e^{G_i}·e^{−G_j}`` over a whole chunk (``e^{−G_j}``
-  overflows fp32 once a chunk decays by more than ~88 nats). Instead the chunk is cut in two:
+  (``gates.chunk_local_cumsum``); the PyTorch part uses the very same tensors with ``exp2``.
+  The gradient formulas above are w.r.t. the natural-log gates the caller passes.
+- **No overflow under strong decays.** A factor ``2^{G_i}`` or ``2^{Γ−G_j}`` is ≤ 1 for decaying
+  gates. ``2^{G_i − G_j}`` is never split into ``2^{G_i}·2^{−G_j}`` over a whole chunk (``2^{−G_j}``
+  overflows fp32 once a chunk decays below ``G = −128``). Instead the chunk is cut in two:
   for rows i in the second half and columns j in the first, the product goes through ``r`` = the
-  first half's last token, ``e^{G_i−G_r} · e^{G_r−G_j}``, both factors ≤ 1, so that quadrant is
+  first half's last token, ``2^{G_i−G_r} · 2^{G_r−G_j}``, both factors ≤ 1, so that quadrant is
   one matmul. Each half is cut in two the same way, and so on down to single tokens: log2(BT)
   levels of batched matmuls cover the lower triangle, and the diagonal (i = j) has no decay at
   all. (fla stops at sub-chunks of 16 tokens and fills their diagonal blocks column by column.)

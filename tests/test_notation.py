@@ -281,3 +281,19 @@ def test_good_labels_pass(defined):
         "T = 4096, BT = 64", "KV cache (bf16)", r"masked form $(\mathbf{q}\mathbf{k}^\top\odot M)\,\mathbf{v}$: $T(T+1)(K+V)$",
     }
     assert violations({"good.png": good}, defined) == []
+
+
+MODULES = sorted((ROOT / "chunkstate").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
+def test_package_uses_no_retired_name(path):
+    """The package's docstrings and comments, which chapters show as highlighted code: no retired
+    name either."""
+    text = path.read_text()
+    problems = []
+    for why, pattern in BANNED.items():
+        for m in pattern.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            problems.append(f"line {line}: ...{text[max(0, m.start() - 30):m.end() + 20]!r}...: {why}")
+    assert not problems, f"{path.relative_to(ROOT)}: retired names:\n" + "\n".join(problems)

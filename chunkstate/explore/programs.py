@@ -90,7 +90,7 @@ class ProgramMap:
     k [BK] and v [BV] (``dtype``), the gates it is given (``gate_dtype``: g one value, gk [BK],
     gv [BV]; g_gamma's single number is not counted), h0's tile if given; it writes ``slots`` state
     tiles (``states_dtype``) and ht's tile (fp32) if asked. The backward reads q [BK] and do [BV]
-    of each of its G query heads, the gates, dht's tile; writes dh's tiles and dh0's (fp32). The
+    of each of its HQ / H query heads, the gates, dht's tile; writes dh's tiles and dh0's (fp32). The
     re-reads of each chunk's last gate row are not counted (they hit the cache). With
     ``pieces > 1`` the rows are the states' pass, each program starting from the scan's fp32 state
     tile and writing no final state; the pieces' first pass reads the same inputs again and writes
@@ -201,7 +201,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
             1 under the interpreter, ``auto_pieces`` on a GPU). ``config``: the ``triton.Config`` whose
             BK, BV cut the state; default ``tuning.INTERPRETER_CONFIG`` (64 × 64; what the autotuner
             would pick on a GPU is not known without timing it).
-        HQ: the backward's query heads (GQA: HQ = G·H; default H).
+        HQ: the backward's query heads (GQA: a multiple of H, HQ / H query heads per state head; default H).
         gates: names of the gates given, of "g", "g_gamma", "gk", "gv" (bytes only).
         dtype: the inputs' dtype; ``gate_dtype`` the gates'; ``states_in_fp32``: h / dh in fp32
             (else ``dtype``); ``h0`` / ``output_final_state``: whether h0 (backward: dh0 wanted) and
@@ -219,7 +219,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
     B, T, H, K, V = (_size(n, x) for n, x in (("B", B), ("T", T), ("H", H), ("K", K), ("V", V)))
     HQ = H if HQ is None else _size("HQ", HQ)
     if (H == 0 and HQ != 0) or (H > 0 and (HQ == 0 or HQ % H)):
-        raise ValueError(f"HQ must be a positive multiple of H={H} (GQA: HQ = G·H), got HQ={HQ}")
+        raise ValueError(f"HQ must be a positive multiple of H={H} (GQA: HQ / H query heads per state head), got HQ={HQ}")
     if isinstance(gates, str):
         gates = (gates,)
     unknown = sorted(set(gates) - set(GATES))
@@ -257,7 +257,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
                                         IS_VARLEN=varlen, NCOL=len(COLUMNS))
     raw = out.cpu().tolist()
 
-    G = HQ // H if H else 1
+    group = HQ // H if H else 1
     table = ProgramMap(direction, B, T, H, HQ, K, V, p.BT, p.BS, BK, BV, p.N, p.NS, p.lengths, P,
                        tuple(piece_offsets), tuple(seq_offsets), grid)
     first_piece = {}
@@ -270,7 +270,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
         row = dict(pid=pid, seq=seq, head=r["i_h"], i_k=r["i_k"], i_v=r["i_v"], piece=r["i_n"] - first_piece[seq],
                    bos=r["bos"], length=r["length"], chunks=r["chunks"], first_slot=r["boh"], slots=r["slots"],
                    k0=k0, k1=k1, v0=v0, v1=v1)
-        sizes = (G, gates, in_bytes, gate_bytes, state_bytes)
+        sizes = (group, gates, in_bytes, gate_bytes, state_bytes)
         if P == 1:  # h0 (dht) read, ht (dh0) written by the program itself
             start, end = (h0, output_final_state) if direction == "fwd" else (output_final_state, h0)
             row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=start, end=end, slots=True)
@@ -281,12 +281,12 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
     return table
 
 
-def _bytes(direction, row, G, gates, in_bytes, gate_bytes, state_bytes, *, start, end, slots):
+def _bytes(direction, row, group, gates, in_bytes, gate_bytes, state_bytes, *, start, end, slots):
     """(read, written) of one program under the model of ``ProgramMap``'s docstring: its tokens'
     rows of its tile's columns, a starting state tile read (``start``, fp32), its ``slots`` state
     tiles and a final state tile (``end``, fp32) written."""
     L, bk, bv = row["length"], row["k1"] - row["k0"], row["v1"] - row["v0"]
-    heads = G if direction == "bwd" else 1  # the backward's program reads its G query heads
+    heads = group if direction == "bwd" else 1  # the backward's program reads its group's query heads
     read = L * heads * (bk + bv) * in_bytes
     read += L * gate_bytes * (("g" in gates) + bk * ("gk" in gates) + bv * ("gv" in gates))
     tile = bk * bv * 4
