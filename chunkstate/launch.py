@@ -112,6 +112,42 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
 
     with serialised():
         if config is None:
-            tuned[grid](**args)
+            chosen = tuned_config(tuned, args)
+            if chosen is None:  # a new key: the autotuner prunes, compiles and times its candidates
+                tuned[grid](**args)
+            else:  # tuned before: launch its choice directly (Autotuner.run would only look it up)
+                tuned.best_config = chosen
+                kernel[grid](**args, **chosen.all_kwargs())
         else:
             kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def autotune_key(tuned, args: dict) -> tuple:
+    """The key under which Triton's autotuner ``tuned`` caches its choice for a launch with keyword
+    arguments ``args``, built as ``Autotuner.run`` builds it: the values of its ``key`` arguments,
+    then the dtype of every tensor argument, in the order given."""
+    names = _arg_names(tuned)
+    key = [args[name] for name in tuned.keys if name in args]
+    key += [str(x.dtype) for name, x in args.items() if name in names and hasattr(x, "dtype")]
+    return tuple(key)
+
+
+def tuned_config(tuned, args: dict):
+    """The config ``tuned`` chose earlier for this launch's key, or None (a new key, or one config
+    only). A repeated call then skips ``Autotuner.run``, which rebuilds the key and re-binds every
+    argument before launching the same config: ~20 µs of host time a launch on an H200's host,
+    which decides the time of calls of under ~0.1 ms of GPU work. Should Triton ever build its key
+    differently, nothing is found here and every call goes through ``Autotuner.run`` as before."""
+    if len(tuned.configs) < 2:
+        return None
+    return tuned.cache.get(autotune_key(tuned, args))
+
+
+_ARG_NAMES: dict[int, frozenset] = {}
+
+
+def _arg_names(tuned) -> frozenset:
+    names = _ARG_NAMES.get(id(tuned))
+    if names is None:
+        names = _ARG_NAMES[id(tuned)] = frozenset(tuned.arg_names)
+    return names

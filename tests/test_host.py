@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import chunkstate
-from chunkstate import _host, gates, reference
+from chunkstate import _host, gates, launch, reference, tuning
 from chunkstate.testing import check_close, nan_poisoned_empty
 
 ON_GPU = chunkstate.DEVICE == "cuda"
@@ -449,3 +449,55 @@ def test_kernels_from_threads(device):
 
     errors = _hammer(call, threads=4, calls=3)
     assert not errors, f"{len(errors)} errors, e.g. {errors[0]!r}"
+
+
+def test_a_tuned_key_skips_the_autotuner(monkeypatch, device):
+    """``launch.autotune_key`` builds the very key Triton's ``Autotuner.run`` looks up (checked
+    against the key Triton itself asks its cache for, on this Triton), and once the autotuner's
+    cache holds that key a call launches the cached config directly, never entering
+    ``Autotuner.run``, with the same result."""
+    from chunkstate import forward
+
+    tuned = forward._tuned_forward
+    chosen, other = tuning._config(32, 32, 4, 2), tuning._config(16, 16, 4, 2)
+    monkeypatch.setattr(tuned, "configs", [chosen, other])
+    asked = []
+
+    class Recording(dict):  # Triton's lookups: "tuned before", always the chosen config
+        def __contains__(self, key):
+            asked.append(key)
+            return True
+
+        def __getitem__(self, key):
+            return chosen
+
+        def get(self, key, default=None):  # chunkstate's lookup: not tuned yet
+            return None
+
+    monkeypatch.setattr(tuned, "cache", Recording())
+    built = []
+    real_key = launch.autotune_key
+    monkeypatch.setattr(launch, "autotune_key", lambda t, a: built.append(real_key(t, a)) or built[-1])
+    k, v = (torch.randn(1, 100, 2, 32, device=device, dtype=DTYPE) for _ in range(2))
+    nat = F.logsigmoid(torch.randn(1, 100, 2, device=device))
+    G = gates.chunk_local_cumsum(nat, 16)
+
+    def call():
+        with nan_poisoned_empty():
+            return chunkstate.chunk_fwd_h(k, v, g=G, chunk_size=16, output_final_state=True, pieces=1)
+
+    first = call()
+    assert asked and built and asked[-1] == built[-1], (asked, built)
+
+    monkeypatch.setattr(tuned, "cache", {built[-1]: chosen})
+    entered = []
+    real_run = tuned.run
+    monkeypatch.setattr(tuned, "run", lambda *a, **kw: entered.append(1) or real_run(*a, **kw))
+    tuned.best_config = None
+    second = call()
+    assert entered == [] and tuned.best_config is chosen
+    for a, b, name in zip(first, second, ("h", "ht")):
+        assert torch.equal(a, b), name
+    h_ref, ht_ref = reference.recurrent_states(k, v, g=nat, chunk_size=16)
+    check_close(second[0], h_ref, "h, launched from the autotuner's cache", TOL)
+    check_close(second[1], ht_ref, "ht, launched from the autotuner's cache", TOL)
