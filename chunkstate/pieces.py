@@ -5,12 +5,13 @@ fewer programs than the GPU's multiprocessors (B·H·tiles ≪ #SM, e.g. B1 H4 T
 starves however fast the memory is. The recurrence is linear in the state, so a sequence can be
 cut into P pieces (each a whole number of splits) and the pieces run in parallel:
 
-1. every piece runs the kernel from a zero state: its final state ``F_p`` and its total decay
-   ``D_p`` (log2, key side [K] and value side [V]), no states stored;
-2. a short scan per (sequence, head) hands each piece its true initial state:
-   ``S_0 = h0``, ``S_{p+1} = D_p ⊙ S_p + F_p`` (``D_p`` acting as diagonals on both sides);
-   the last one is ``ht``;
-3. every piece runs the kernel again from ``S_p``, storing its states where the unsplit run
+1. every piece runs the kernel from a zero state: its final state ``f_p`` and its total decay,
+   log2, ``d_p`` on the key side [K] and ``d_{v,p}`` on the value side [V] (the sums of its chunks'
+   Γ and Γ_v), no states stored (the buffers ``F``, ``decay_k``, ``decay_v`` below);
+2. a short scan per (sequence, head) hands each piece its true initial state ``h_p``:
+   ``h_0 = h0``, ``h_{p+1} = diag(2^{d_p}) h_p diag(2^{d_{v,p}}) + f_p``; the last one is ``ht``
+   (the buffer ``S``);
+3. every piece runs the kernel again from ``h_p``, storing its states where the unsplit run
    would have stored them (pieces are whole splits, so the state slots line up).
 
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
@@ -128,11 +129,11 @@ def _plan_on_device(lengths: tuple[int, ...], BS: int, pieces: int, device: torc
 
 @triton.jit
 def piece_scan_kernel(
-    F,  # [NP, H, K, V] fp32  each piece's contribution, started from zero
+    F,  # [NP, H, K, V] fp32  each piece's contribution f_p, started from zero
     decay_k,  # [NP, H, K] fp32  each piece's total key-side log2 decay
     decay_v,  # [NP, H, V] fp32  value side (USE_DECAY_V)
     s0,  # [N, H, K, V]  the state before the first piece (h0; dht in reverse)
-    S,  # [NP, H, K, V] fp32 out: the state entering each piece (leaving it, in reverse)
+    S,  # [NP, H, K, V] fp32 out: the state h_p entering each piece (leaving it, in reverse)
     s_end,  # [N, H, K, V] fp32 out: after the last piece (ht; dh0 in reverse)
     seq_pieces,  # [N + 1] first piece of each sequence
     H: tl.constexpr,
