@@ -216,7 +216,7 @@ def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use
     dev = states.device
     NP, cu_pieces, seq_pieces, piece_splits = _plan_on_device(p.lengths, p.BS, pieces, dev)
     F, S, decay_k, decay_v = _workspace(NP, p, use_gv, dev)
-    # 1. each piece from zero: its contribution F_p and its total decay D_p
+    # 1. each piece from zero: its contribution f_p and its total decays d_p, d_{v,p}
     run_pass(cu_seqlens=cu_pieces, split_offsets=None, N=NP, states=None, start=None, end=F,
              decay_k=decay_k, decay_v=decay_v)
     # 2. the true state entering each piece (leaving it, in reverse), and the end state
