@@ -54,7 +54,7 @@ def chunk_bwd_kernel_dh(
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     scale,
     T,
-    OCCUPANCY,  # autotune key only, never specialised: N·H against the SM count (tuning.occupancy_bucket)
+    OCCUPANCY,  # autotune key only, never specialised: the launch's size against the SM count (tuning.launch_bucket)
     TMA_OK,  # autotune key only: 1 when q, do, gk, gv can be read through TMA descriptors
     SMEM,  # autotune key only: bytes of shared memory a block may use on this GPU (tuning.device_limits)
     H: tl.constexpr,

@@ -43,7 +43,7 @@ def chunk_fwd_kernel_h(
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
     T,
-    OCCUPANCY,  # autotune key only, never specialised: N·H against the SM count (tuning.occupancy_bucket)
+    OCCUPANCY,  # autotune key only, never specialised: the launch's size against the SM count (tuning.launch_bucket)
     TMA_OK,  # autotune key only: 1 when k, v, gk, gv can be read through TMA descriptors
     SMEM,  # autotune key only: bytes of shared memory a block may use on this GPU (tuning.device_limits)
     H: tl.constexpr,

@@ -52,6 +52,12 @@ SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
 
+def programs_64(N: int, H: int, K: int, V: int) -> int:
+    """Programs of a one-pass launch with 64×64 state tiles, N·H·ceil(K/64)·ceil(V/64): the grid
+    size the occupancy is judged by."""
+    return N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
+
+
 def predicted_us(pieces: int, programs: int, chunks: int, sms: int) -> float:
     """The cost model's time of one call whose launch has ``programs`` programs, each walking
     ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one pass) on ``sms``
@@ -69,7 +75,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
     split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
     equals, the one with the least work on the GPU, then the fewest pieces)."""
-    programs = N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
+    programs = programs_64(N, H, K, V)
     if programs == 0 or programs >= sms // 2:
         return 1
     chunks = _host.cdiv(max_len, BT)
@@ -185,10 +191,8 @@ def _workspace(NP: int, p: Problem, use_gv: bool, device):
             decay_v.view(NP, p.H, p.V) if use_gv else None)
 
 
-def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first, S=None):
-    """Run ``piece_scan_kernel``: returns S [NP, H, K, V] fp32 (layout as ``F``; written into ``S``
-    when given)."""
-    S = torch.empty_like(F) if S is None else S
+def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_v_first, S):
+    """Run ``piece_scan_kernel``, writing into ``S`` [NP, H, K, V] fp32 (layout as ``F``); returns ``S``."""
     if N * H * K * V == 0:
         return S
     BK, BV = min(64, _host.next_power_of_2(K)), min(64, _host.next_power_of_2(V))

@@ -3,7 +3,8 @@
 fla tunes 48 configs keyed on (BT, gate kinds, layout, K, V) only, so the winner for the first
 shape is reused for every later B, T, H, and a first call compiles and times all 48. Here the key
 also holds ``OCCUPANCY``: how many (sequence, head) pairs there are relative to the GPU's
-multiprocessors, in five buckets (``occupancy_bucket``): a launch far below one wave wants small
+multiprocessors, a pair of a state under 128 × 128 counted as its share of one, in five buckets
+(``launch_bucket``, ``occupancy_bucket``): a launch far below one wave wants small
 tiles and deep prefetch, a full grid wants big tiles. For each key a short candidate list is
 pruned from ``ALL_CONFIGS`` by K, V and that bucket (``candidates``, ``prune``), so a first call
 compiles and times only a handful of configs; ``Pruner`` compiles that handful side by side in

@@ -45,7 +45,8 @@ from .model import (FLA_CONFIGS, RANDOM_DISTRIBUTION, SHAPES, SWEEP_SHAPES, esti
 
 def select_cases(cases, wanted):
     """The cases whose shape's label contains one of the ``wanted`` substrings (all when None)."""
-    return cases if not wanted else [c for c in cases if any(w in c.shape.label for w in wanted)]
+    kept = set(select_shapes(dict.fromkeys(c.shape for c in cases), wanted))
+    return [c for c in cases if c.shape in kept]
 
 
 def parse_args(argv=None):

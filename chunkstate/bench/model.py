@@ -209,9 +209,8 @@ def random_cases(seed: int, n: int) -> list[Case]:
 
 
 def programs_64(shape: Shape) -> int:
-    """Programs of a one-pass launch with 64×64 state tiles: N·H·ceil(K/64)·ceil(V/64), the grid size
-    the occupancy is judged by."""
-    return shape.N * shape.H * -(-shape.K // 64) * -(-shape.V // 64)
+    """``pieces.programs_64`` of a shape: its one-pass launch's programs with 64×64 state tiles."""
+    return pieces.programs_64(shape.N, shape.H, shape.K, shape.V)
 
 
 def explicit_pieces(case: Case, sms: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from .model import geomean
@@ -94,12 +95,6 @@ WIN_AT = 0.97  # a case counts as a win where fla / ours >= this
 PIECES_SLACK = 1.03  # auto pieces "as good as the best explicit count" within 3 %
 
 
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return None if not n else xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def random_summary(report: dict) -> dict:
     """The random mode's numbers: over the cases with a valid fla timing, how many chunkstate wins
     (fla / ours >= ``WIN_AT``), the geometric mean and the worst of fla / ours; chunkstate's ×floor
@@ -110,7 +105,8 @@ def random_summary(report: dict) -> dict:
     autos = [(r["auto_over_best"], r["case"]) for r in results if r.get("auto_over_best")]
     return {"cases": len(results), "compared": len(ratios), "wins": sum(x >= WIN_AT for x, _ in ratios),
             "geomean": geomean(x for x, _ in ratios), "worst": min(ratios, default=None),
-            "x_floor_median": _median([x for x, _ in floors]), "x_floor_worst": max(floors, default=None),
+            "x_floor_median": statistics.median(x for x, _ in floors) if floors else None,
+            "x_floor_worst": max(floors, default=None),
             "pieces_explored": len(autos), "pieces_ok": sum(x <= PIECES_SLACK for x, _ in autos),
             "pieces_worst": max(autos, default=None)}
 

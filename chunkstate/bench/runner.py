@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .. import tuning
+from .. import _host, tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
 from .model import (BT, FLA_CONFIGS, Case, Shape, case_pieces, derive, explicit_pieces, new_result, tried_configs,
                     unique_bytes)
@@ -386,12 +386,8 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
 def sweep_configs(K: int, V: int) -> list:
     """The configs of ``tuning.ALL_CONFIGS`` a sweep times for a [K, V] state: tiles no wider than
     K and V need (a wider one only computes masked zeros)."""
-    k, v = max(16, _next_pow2(K)), max(16, _next_pow2(V))
+    k, v = max(16, _host.next_power_of_2(K)), max(16, _host.next_power_of_2(V))
     return [c for c in tuning.ALL_CONFIGS if c.kwargs["BK"] <= k and c.kwargs["BV"] <= v]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def run_sweep(shapes, args, cache: dict, gates=None) -> dict:

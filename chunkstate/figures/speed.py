@@ -85,6 +85,8 @@ def draw_random(report: dict):
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
+    from ..pieces import programs_64
+
     meta = report.get("meta", {})
     sms = (meta.get("device") or {}).get("sms") or 132
     cases = [c for c in report.get("cases", []) if _value(c, "ours", "ms")]
@@ -92,8 +94,9 @@ def draw_random(report: dict):
     norm = LogNorm(vmin=256, vmax=131072)
     sc = None
     for c in cases:
-        programs = c["H"] * -(-c["K"] // 64) * -(-c["V"] // 64) * (len(c["lens"]) if c.get("lens") else c["B"])
-        per_seq = c["T"] / (len(c["lens"]) if c.get("lens") else 1)
+        N = len(c["lens"]) if c.get("lens") else c["B"]
+        programs = programs_64(N, c["H"], c["K"], c["V"])
+        per_seq = c["B"] * c["T"] / N
         x = programs / sms
         marker = "o" if c["direction"] == "fwd" else "^"
         packed = bool(c.get("lens"))
