@@ -7,19 +7,24 @@ states go, and the choice between the autotuner and an explicit config.
    the sequence lengths, the number of state slots ``NS`` and each packed sequence's first slot;
 2. ``check_config(...)``: an explicit ``triton.Config`` is one the kernel can run;
 3. ``run(...)``: launch the kernel over a flat grid of (sequence, head, K tile, V tile) programs,
-   autotuned (``tuning``) or with that config.
+   autotuned (``tuning``) or with that config; a launch seen before goes straight to the compiled
+   kernel (``direct``).
 
 ``pieces`` builds on this module, never the other way round.
 """
 from __future__ import annotations
 
+import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 import triton
 
 from . import _host, _validate, tuning
+from .env import INTERPRET
 
 # One kernel launch at a time from this process's threads. Triton's autotuner keeps the arguments of
 # the call in flight on itself (``Autotuner.run`` sets ``self.nargs`` and resets it to None at the
@@ -89,9 +94,15 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
     """Launch ``kernel`` (``tuned``: its autotuner) with ``args`` over N·H (sequence, head) pairs,
     each cut into [BK, BV] state tiles; ``config``: run that ``triton.Config`` instead of
     autotuning. ``tma_inputs``: the tensors the kernel may read through TMA descriptors, by name
-    (an explicit ``USE_TMA`` config is refused unless all of them can be)."""
+    (an explicit ``USE_TMA`` config is refused unless all of them can be). A launch seen before
+    goes straight to the compiled kernel (``direct``)."""
     if N * H * K * V == 0:  # no state element to compute
         return
+    key = direct_key(kernel, args, N, config)
+    if key is not None:
+        with serialised():
+            if direct(key, args):
+                return
     tma_ok = tuning.tma_usable(*tma_inputs.values())
     if config is not None and config.kwargs.get("USE_TMA", False) and not tma_ok:
         names = ", ".join(name for name, x in tma_inputs.items() if x is not None and not tuning.tma_usable(x))
@@ -105,7 +116,8 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
     # SMEM: the shared memory a block may use on this GPU (under a cap, if set), which tuning.prune
     # fits the candidates to; in the autotune key, so each device kind and cap is tuned apart
     smem = tuning.device_limits(next(iter(tma_inputs.values())).device).smem  # k or q: on the kernels' device
-    args = dict(args, OCCUPANCY=tuning.launch_bucket(N, H, K, V), TMA_OK=int(tma_ok), SMEM=smem)
+    keyed = dict(OCCUPANCY=tuning.launch_bucket(N, H, K, V), TMA_OK=int(tma_ok), SMEM=smem)
+    call_args, args = args, {**args, **keyed}
 
     def grid(meta):
         return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
@@ -114,12 +126,161 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
         if config is None:
             chosen = tuned_config(tuned, args)
             if chosen is None:  # a new key: the autotuner prunes, compiles and times its candidates
-                tuned[grid](**args)
+                compiled = tuned[grid](**args)
+                chosen = tuned.best_config
             else:  # tuned before: launch its choice directly (Autotuner.run would only look it up)
                 tuned.best_config = chosen
-                kernel[grid](**args, **chosen.all_kwargs())
+                compiled = kernel[grid](**args, **chosen.all_kwargs())
+            if key is not None and chosen is not None:
+                remember_direct(key, kernel, compiled, call_args, {**keyed, **chosen.kwargs}, grid(chosen.kwargs),
+                                tuned=tuned, tune_key=autotune_key(tuned, args), chosen=chosen)
         else:
-            kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages)
+            compiled = kernel[grid](**args, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+            if key is not None:
+                remember_direct(key, kernel, compiled, call_args, {**keyed, **config.kwargs}, grid(config.kwargs))
+
+
+# ---------------------------------------------------------------- direct launches
+#
+# Triton's ``JITFunction.run`` binds and specialises every argument again on every launch (which
+# dtype each tensor has, whether its address is 16-byte aligned, whether an int is 1 or a multiple
+# of 16) and looks the compiled kernel up by that: ~29 µs of an H200 host's time for these
+# kernels' ~40 arguments, where the compiled kernel's own launcher takes ~7 µs. For a call of
+# under ~0.1 ms of GPU work that host time is the call's time. So the first launch of a kind goes
+# through Triton as usual, and ``remember_direct`` keeps what it resolved: the compiled kernel, the
+# grid, and the arguments every such launch adds (OCCUPANCY, TMA_OK, SMEM, the config's tiles). A
+# later launch with the same ``direct_key`` (everything Triton specialises on, and everything the
+# grid, the autotune key and the TMA choice depend on) hands its arguments to that compiled
+# kernel's launcher, in the kernel's order, as ``JITFunction.run`` does. Where the autotuner's
+# cache no longer holds the config remembered (cleared, or tuned again), the launch goes through
+# Triton again. Only on Triton versions whose launch convention was checked (``DIRECT_TRITON``),
+# never under the interpreter, and never while a launch hook (a profiler's) is set.
+
+DIRECT_TRITON = ("3.6.",)  # Triton versions whose JITFunction.run this imitates (checked on the H200)
+DIRECT = not INTERPRET and triton.__version__.startswith(DIRECT_TRITON)
+MAX_DIRECT = 256  # launches remembered, the least recently used dropped first
+
+
+@dataclass(frozen=True)
+class _Direct:
+    compiled: object  # Triton's CompiledKernel
+    in_order: itemgetter  # the kernel's arguments in its signature's order, from all the keywords
+    constants: dict  # what every launch of this key adds: OCCUPANCY, TMA_OK, SMEM, the config's, defaults
+    grid: tuple  # (programs, 1, 1)
+    tuned: object = None  # the autotuner that chose the config (None: an explicit config or kernel)
+    tune_key: tuple | None = None  # the autotuner's key for this launch: its cache must still hold ``chosen``
+    chosen: object = None
+    uses_tma: bool = False
+
+
+_direct: OrderedDict[tuple, _Direct] = OrderedDict()
+_plans: dict[tuple, tuple] = {}  # (id(kernel), argument names) -> how direct_key reads each argument
+
+
+def direct_key(kernel, args: dict, N: int, config=None) -> tuple | None:
+    """Everything a launch of ``kernel`` with ``args`` over N sequences depends on beyond the
+    tensors' contents and T: each tensor's dtype, 16-byte alignment, contiguity and device, each
+    flag and size (a ``tl.constexpr``) as it is, a scalar Triton never specialises (T, ``scale``)
+    by its type only; N, the current device, the shared-memory cap and an explicit config.
+    None where launches are never direct (``DIRECT``)."""
+    if not DIRECT:
+        return None
+    names = tuple(args)
+    plan = _plans.get((id(kernel), names))
+    if plan is None:
+        plan = _plans[id(kernel), names] = _key_plan(kernel, names)
+    constants, tensors, widths = plan
+    key = [id(kernel), N, torch.cuda.current_device(), os.environ.get(tuning.SMEM_LIMIT_ENV), names,
+           None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages),
+           constants(args) if constants is not None else ()]
+    for name in tensors:  # tensors, None, or a scalar Triton specialises on its value
+        x = args[name]
+        if isinstance(x, torch.Tensor):
+            key.append((x.dtype, x.data_ptr() % 16 == 0, x.is_contiguous(), x.get_device()))
+        else:
+            key.append(x)
+    for name in widths:  # unspecialised scalars: an int by whether it fits in 32 bits, a float by its type
+        x = args[name]
+        key.append(type(x) is float or -2 ** 31 <= x < 2 ** 31)
+    return tuple(key)
+
+
+def _key_plan(kernel, names: tuple) -> tuple:
+    """For ``direct_key``: an itemgetter of the ``tl.constexpr`` arguments (taken as they are), then
+    the names of the arguments that may be tensors, then those Triton never specialises."""
+    params = {p.name: p for p in kernel.params}
+    constants = [n for n in names if n not in params or params[n].is_constexpr]
+    widths = [n for n in names if n in params and not params[n].is_constexpr and params[n].do_not_specialize]
+    tensors = [n for n in names if n not in constants and n not in widths]
+    getter = itemgetter(*constants) if len(constants) > 1 else (
+        (lambda a, n=constants[0]: (a[n],)) if constants else None)
+    return getter, tuple(tensors), tuple(widths)
+
+
+def remember_direct(key: tuple, kernel, compiled, call_args: dict, added: dict, grid: tuple, *, tuned=None,
+                    tune_key=None, chosen=None) -> None:
+    """Keep what the launch of ``key`` resolved: ``compiled``, what ``kernel[grid](**call_args,
+    **added)`` returned (``added``: the autotune key's arguments and the config's constants, the same
+    for every launch of this key). Hold the launch lock."""
+    if not hasattr(compiled, "packed_metadata"):  # not a CompiledKernel: leave this key to Triton
+        return
+    constants = {}
+    for p in kernel.params:
+        if p.name in added:
+            constants[p.name] = added[p.name]
+        elif p.name not in call_args:
+            if not p.has_default:
+                return
+            constants[p.name] = p.default
+    entry = _Direct(compiled, itemgetter(*(p.name for p in kernel.params)), constants, (*grid, 1, 1)[:3],
+                    tuned, tune_key, chosen, bool(added.get("USE_TMA", False)))
+    _direct[key] = entry
+    _direct.move_to_end(key)
+    while len(_direct) > MAX_DIRECT:
+        _direct.popitem(last=False)
+
+
+def direct(key: tuple, call_args: dict) -> bool:
+    """Launch ``key``'s compiled kernel with ``call_args`` if remembered and, for an autotuned
+    launch, still the autotuner's choice. Returns whether it launched. Hold the launch lock."""
+    entry = _direct.get(key)
+    if entry is None:
+        return False
+    if entry.tuned is not None and entry.tuned.cache.get(entry.tune_key) is not entry.chosen:
+        del _direct[key]  # the autotuner's cache was cleared or tuned again: through Triton again
+        return False
+    runtime = triton.knobs.runtime
+    if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+        return False  # a profiler's hooks: Triton's own path calls them
+    if entry.uses_tma:
+        tuning.ensure_allocator()
+    if entry.tuned is not None:
+        entry.tuned.best_config = entry.chosen
+    _direct.move_to_end(key)
+    compiled = entry.compiled
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    compiled.run(*entry.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *entry.in_order({**call_args, **entry.constants}))
+    return True
+
+
+def launch_plain(kernel, grid: tuple, args: dict) -> None:
+    """``kernel[grid](**args)`` for a kernel without an autotuner (``args`` with ``num_warps``, if
+    any), direct after the first launch of a kind (``direct``)."""
+    key = direct_key(kernel, args, grid[0])
+    with serialised():
+        if key is not None and direct(key, args):
+            return
+        compiled = kernel[grid](**args)
+        if key is not None:
+            remember_direct(key, kernel, compiled, args, {}, grid)
+
+
+def clear_direct() -> None:
+    """Forget every remembered launch (tests)."""
+    with serialised():
+        _direct.clear()
 
 
 def autotune_key(tuned, args: dict) -> tuple:

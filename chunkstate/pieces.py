@@ -34,7 +34,7 @@ import triton.language as tl
 from . import _host, tuning
 from .env import INTERPRET
 from .kernel_parts import load_state, program_tile, store_state
-from .launch import Problem, serialised
+from .launch import Problem, launch_plain
 
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
@@ -197,11 +197,10 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
         return S
     BK, BV = min(64, _host.next_power_of_2(K)), min(64, _host.next_power_of_2(V))
     grid = (_host.cdiv(K, BK) * _host.cdiv(V, BV) * N * H,)
-    with serialised():
-        piece_scan_kernel[grid](F, decay_k, decay_v, s0, S, s_end, seq_pieces, H=H, K=K, V=V, BK=BK, BV=BV,
-                                USE_DECAY_V=decay_v is not None, USE_S0=s0 is not None,
-                                STORE_END=s_end is not None, REVERSE=reverse, STATE_V_FIRST=state_v_first,
-                                num_warps=4)
+    launch_plain(piece_scan_kernel, grid, dict(
+        F=F, decay_k=decay_k, decay_v=decay_v, s0=s0, S=S, s_end=s_end, seq_pieces=seq_pieces, H=H, K=K, V=V,
+        BK=BK, BV=BV, USE_DECAY_V=decay_v is not None, USE_S0=s0 is not None, STORE_END=s_end is not None,
+        REVERSE=reverse, STATE_V_FIRST=state_v_first, num_warps=4))
     return S
 
 
