@@ -135,7 +135,8 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
                 remember_direct(key, kernel, compiled, call_args, {**keyed, **chosen.kwargs}, grid(chosen.kwargs),
                                 tuned=tuned, tune_key=autotune_key(tuned, args), chosen=chosen)
         else:
-            compiled = kernel[grid](**args, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+            compiled = kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps,
+                                    num_stages=config.num_stages)
             if key is not None:
                 remember_direct(key, kernel, compiled, call_args, {**keyed, **config.kwargs}, grid(config.kwargs))
 
@@ -249,9 +250,8 @@ def direct(key: tuple, call_args: dict) -> bool:
     if entry.tuned is not None and entry.tuned.cache.get(entry.tune_key) is not entry.chosen:
         del _direct[key]  # the autotuner's cache was cleared or tuned again: through Triton again
         return False
-    runtime = triton.knobs.runtime
-    if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
-        return False  # a profiler's hooks: Triton's own path calls them
+    if not _hooks_idle():
+        return False  # a profiler's launch hooks: Triton's own path calls them
     if entry.uses_tma:
         tuning.ensure_allocator()
     if entry.tuned is not None:
@@ -262,6 +262,16 @@ def direct(key: tuple, call_args: dict) -> bool:
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*entry.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *entry.in_order({**call_args, **entry.constants}))
+    return True
+
+
+def _hooks_idle() -> bool:
+    """No launch hook is set: Triton's ``knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` are
+    None or (Triton 3.5 and later) a ``HookChain`` holding no hook, which calls nothing."""
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
     return True
 
 

@@ -222,3 +222,50 @@ def test_what_the_direct_path_must_not_reuse_goes_through_triton(monkeypatch):
     forward._tuned_forward.cache.clear()
     call(k)
     assert runs.n > n + 2, "a cleared autotuner cache still launched the old choice"
+
+
+def test_a_launch_hook_turns_direct_launches_off():
+    """A profiler's launch hook (a function, or one added to Triton's ``HookChain``) must see every
+    launch, so direct launches stop while one is set; an empty chain calls nothing."""
+    runtime = triton.knobs.runtime
+    assert launch._hooks_idle()
+
+    def hook(metadata):
+        pass
+
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert not launch._hooks_idle()
+        finally:
+            chain.remove(hook)
+    saved = runtime.launch_exit_hook
+    runtime.launch_exit_hook = hook
+    try:
+        assert not launch._hooks_idle()
+    finally:
+        runtime.launch_exit_hook = saved
+    assert launch._hooks_idle()
+
+
+@pytest.mark.gpu(reason="direct launches exist only for compiled kernels")
+def test_a_hooked_launch_goes_through_triton(monkeypatch):
+    """With a launch hook set, a repeated call goes through ``JITFunction.run`` and the hook sees it."""
+    if not launch.DIRECT:
+        pytest.skip(f"direct launches are off on Triton {triton.__version__} (launch.DIRECT_TRITON)")
+    k = torch.randn(1, 300, 2, 64, device="cuda")
+    v = torch.randn(1, 300, 2, 64, device="cuda")
+    chunkstate.chunk_fwd_h(k, v)
+    runs = _CountRuns(monkeypatch)
+    seen = []
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no HookChain")
+    chain.add(seen.append)
+    try:
+        chunkstate.chunk_fwd_h(k, v)
+        torch.cuda.synchronize()
+    finally:
+        chain.remove(seen.append)
+    assert runs.n == 1 and len(seen) == 1
