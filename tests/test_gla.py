@@ -30,8 +30,10 @@ Inputs are fresh random tensors on every run; every call runs with ``torch.empty
 - ``TOL_STRONG = 1e-3`` for what decays under gates near -40 per token: the chunk-local cumsums
   are fp32 log2 values up to 64 · 41 · 1.4427 ≈ 3800 in size, where fp32 spacing is 2^-12; each
   factor 2^{G_i − G_j} is then off by up to 2 · 2^-13 · ln 2 ≈ 1.7e-4, and a term carries up to
-  two such factors (3.4e-4). Terms without a decay (o, ht, dq, dk, dv: dominated by the
-  token's own k·v) keep ``TOL_FP32``.
+  two such factors (3.4e-4). On the GPU these terms also go through tf32 ``tl.dot`` as every
+  fp32 term does, so there the two errors add: ``TOL_TF32 + TOL_STRONG`` (1.01e-3 was seen for
+  dinitial_state on the H200). Terms without a decay (o, ht, dq, dk, dv: dominated by the
+  token's own k·v) keep ``TOL_FP32`` (``TOL_TF32`` on the GPU).
 - bf16 on the GPU ``TOL_BF16 = 1e-2``: the same three roundings at 2^-8 (RMS ≈ 4e-3, as in
   tests/test_forward.py) plus the final rounding of o and of the gradients (2^-9).
 - fp32 on the GPU ``TOL_TF32 = 2e-3``: the kernels' ``tl.dot`` rounds fp32 operands to tf32
@@ -59,6 +61,7 @@ TOL_TF32 = 2e-3
 
 ON_GPU = chunkstate.DEVICE == "cuda"
 TOL_F32 = TOL_TF32 if ON_GPU else TOL_FP32  # fp32 cases run on either device
+TOL_STRONG_HERE = TOL_TF32 + TOL_STRONG if ON_GPU else TOL_STRONG  # tf32 rounding adds on the GPU
 gpu_only = pytest.mark.gpu(reason="bf16, fla and larger shapes cannot run under Triton's interpreter on CPU")
 
 
@@ -192,7 +195,8 @@ def test_strong_decays_do_not_overflow(gates, device):
     G = chunk_local_cumsum(a, 64, scale=1.0)  # natural log
     assert torch.isinf(torch.exp(-G)).any(), "the premise: e^{-G} overflows fp32 for these gates"
     errs = check_against_loop(x, cu_seqlens, do, dht, TOL_F32, 64, what="strong decays",
-                              tols={"dg": TOL_STRONG, "dgk": TOL_STRONG, "dinitial_state": TOL_STRONG})
+                              tols={"dg": TOL_STRONG_HERE, "dgk": TOL_STRONG_HERE,
+                                    "dinitial_state": TOL_STRONG_HERE})
     assert all(math.isfinite(e) for e in errs.values()), errs
 
 

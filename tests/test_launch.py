@@ -215,13 +215,14 @@ def test_what_the_direct_path_must_not_reuse_goes_through_triton(monkeypatch):
     assert runs.n == n
     k_off = _misaligned(k.shape, k.dtype)
     k_off.copy_(k)
-    call(k_off)
-    assert runs.n == n + 1, "a misaligned input reused an aligned launch"
+    call(k_off)  # another specialisation, and (no TMA for a misaligned k) another autotune key
+    assert runs.n > n, "a misaligned input reused an aligned launch"
+    n = runs.n
     call(k, config=tuning._config(32, 64, 4, 2))
-    assert runs.n == n + 2, "an explicit config reused the autotuned launch"
+    assert runs.n == n + 1, "an explicit config reused the autotuned launch"
     forward._tuned_forward.cache.clear()
     call(k)
-    assert runs.n > n + 2, "a cleared autotuner cache still launched the old choice"
+    assert runs.n > n + 1, "a cleared autotuner cache still launched the old choice"
 
 
 def test_a_launch_hook_turns_direct_launches_off():
