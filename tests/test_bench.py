@@ -605,6 +605,13 @@ def test_random_summary_counts():
     line = bench.format_random_summary(report)
     assert line.startswith("random seed 9, 2 shapes, 4 cases: chunkstate >= 0.97× fla in 2/3 (67 %)")
     assert "worst 0.50 (" in line and "in 1/2 (50 %), worst 1.11×" in line
+    # judged by the explicit timings the one-pass choice was the best in both (0.09 was its own timing)
+    assert s["choice_ok"] == 2 and s["choice_worst"][0] == pytest.approx(1.0)
+    assert line.endswith("judged by the explicit timings, in 2/2 (100 %), worst 1.00× (" + s["choice_worst"][1] + ")")
+    report["cases"][0]["pieces_ms"] = {"1": 0.10, "2": 0.05}  # two pieces were twice as fast
+    report["cases"][0] = bench.derive(report["cases"][0], 4.0)
+    s = bench.random_summary(report)
+    assert s["choice_ok"] == 1 and s["choice_worst"][0] == pytest.approx(2.0) and "fwd" in s["choice_worst"][1]
 
 
 def test_random_report_figure(tmp_path):

@@ -290,6 +290,11 @@ def derive(result: dict, copy_tbps: float) -> dict:
     explicit = [ms for ms in (result.get("pieces_ms") or {}).values() if _finite_or_none(ms)]
     # chunkstate's own choice against the best explicit piece count (1.0: it chose as well as the best)
     result["auto_over_best"] = ours["ms"] / min(explicit) if explicit and ours.get("ms") else None
+    # the same choice judged by the explicit timings alone: the chosen count's own timing over the best.
+    # Where chunkstate chose a count that was also timed explicitly, this compares two timings of one
+    # run rather than two timings of one call (which differ by up to 3x on calls of ~0.05 ms: noise)
+    chosen = _finite_or_none((result.get("pieces_ms") or {}).get(str(result.get("pieces"))))
+    result["choice_over_best"] = chosen / min(explicit) if explicit and chosen else None
     return result
 
 

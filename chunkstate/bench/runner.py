@@ -296,8 +296,8 @@ def _versions() -> dict:
             v[name] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             v[name] = None
-    try:  # the commit of the checkout this package was imported from, if it is one
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+    try:  # the commit of the checkout this package was imported from, if it is one ("-dirty": files changed since)
+        v["git"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path(__file__).parent,
                                   capture_output=True, text=True, timeout=10).stdout.strip() or None
     except Exception:
         v["git"] = None
