@@ -465,8 +465,9 @@ def test_the_import_check_sees_every_spelling():
 
 def test_only_the_benchmark_imports_the_runner():
     """The exercises, figures, tests helpers and the rest of the package read the model; the GPU
-    side (``chunkstate.bench.runner``) is imported by the benchmark's command line and ``--gla`` only."""
-    allowed = {PACKAGE / "bench" / "__main__.py", PACKAGE / "bench" / "gla.py", PACKAGE / "bench" / "runner.py"}
+    side (``chunkstate.bench.runner``) is imported by the benchmark's command line, ``--gla`` and
+    ``--calibrate`` only."""
+    allowed = {PACKAGE / "bench" / name for name in ("__main__.py", "gla.py", "runner.py", "calibrate.py")}
     checked = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path in allowed:
@@ -690,3 +691,35 @@ def test_sweep_cli_takes_whole_shapes_with_gates(capsys):
     assert cli.main(["--sweep", "--shapes", "B2 T4096 H48 K64 V64 g_gamma", "B8 T1024 H8 D64", "--plan"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["B2 T4096 H48 D64 g_gamma", "B8 T1024 H8 D64 g"]
+
+
+def test_calibration_recovers_the_constants_it_was_made_from():
+    """``bench.calibrate.fit`` on timings made from known constants (plus offsets the differences
+    must cancel: the host's time per call) gives those constants back, per direction."""
+    from chunkstate.bench import calibrate
+
+    truth = {"fwd": (0.41, 0.62, 180.0, 70.0), "bwd": (0.55, 0.71, 230.0, 80.0)}  # step, piece step, fixed,
+    # one-pass fixed (µs)
+    timings = {}
+    for direction, shape, P in calibrate.measurements():
+        step, piece_step, fixed, one_pass_fixed = truth[direction]
+        chunks = -(-shape.T // bench.BT)
+        if shape.T == calibrate.T_TINY and P == 1:
+            us = one_pass_fixed + chunks * step
+        elif shape.T == calibrate.T_TINY:
+            us = fixed + 2 * -(-chunks // P) * piece_step
+        elif P == 1:
+            us = 37.0 + chunks * step
+        else:
+            us = 55.0 + 2 * -(-chunks // P) * piece_step
+        timings[(direction, shape.label, P)] = us / 1e3
+    fitted = calibrate.fit(timings)
+    for direction, (step, piece_step, fixed, one_pass_fixed) in truth.items():
+        assert fitted[direction]["step_us"] == pytest.approx(step)
+        assert fitted[direction]["piece_step_us"] == pytest.approx(piece_step)
+        assert fitted[direction]["fixed_us"] == pytest.approx(fixed)
+        assert fitted[direction]["one_pass_fixed_us"] == pytest.approx(one_pass_fixed)
+    shown = calibrate.format_fit(fitted)
+    assert "0.410" in shown and "230.0" in shown and "PIECES_FIXED_US" in shown
+    # the method needs every launch in one wave of programs (waves = 1 in the model's terms)
+    assert all(bench.programs_64(s) * P <= tuning.H200_SMS for _, s, P in calibrate.measurements())

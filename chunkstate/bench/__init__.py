@@ -22,6 +22,7 @@ The parts:
 - ``runner``: the GPU side (inputs, timings, fla-core's autotuners, the run loops). Only the
   benchmark imports it; a notebook's GPU cell does ``from chunkstate.bench import runner``.
 - ``gla``: ``--gla``, ``chunkstate.chunk_gla`` against fla's op.
+- ``calibrate``: ``--calibrate``, the pieces cost model's constants measured on this GPU.
 - ``__main__``: the command line.
 """
 from .model import (BT, FLA_CONFIGS, FLA_SHAPES, GATES, OWN_SHAPES, QUICK_SHAPES, RANDOM_DIMS, RANDOM_DISTRIBUTION,

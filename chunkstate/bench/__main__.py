@@ -16,6 +16,10 @@ Modes:
             {64, 128, 256}, gates none / g / gk / g_gamma, a quarter packed), fwd and bwd with
             final states; where one pass has under two waves of programs, explicit piece counts
             are timed too, to judge chunkstate's own choice. Files: bench_h200_random_s<SEED>.*
+  --calibrate
+            measure the pieces cost model's constants on this GPU, per direction (a chunk step in
+            one pass and in pieces, the fixed cost of a call in pieces), print them beside the
+            ones chunkstate.pieces uses, write pieces_calibration_h200.json (bench/calibrate.py).
   --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
 
 Per case: the median of triton.testing.do_bench(warmup=10, rep=50) for chunkstate and fla, the
@@ -59,6 +63,7 @@ def parse_args(argv=None):
     mode.add_argument("--sweep", action="store_true", help="time every config of tuning.ALL_CONFIGS")
     mode.add_argument("--gla", action="store_true", help="time chunk_gla against fla's chunk_gla")
     mode.add_argument("--random", type=int, metavar="SEED", help="time N random realistic shapes drawn by SEED")
+    mode.add_argument("--calibrate", action="store_true", help="measure the pieces cost model's constants")
     p.add_argument("--n", type=int, default=30, metavar="N", help="shapes drawn by --random (default 30)")
     p.add_argument("--plan", action="store_true", help="print the cases and a time estimate; no GPU needed")
     p.add_argument("--out", default="figures",
@@ -94,9 +99,16 @@ def _fresh_triton_cache(keep: bool) -> tuple[dict, str | None]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode = ("quick" if args.quick else "full" if args.full else "sweep" if args.sweep else
-            "gla" if args.gla else "random" if args.random is not None else "default")
+            "gla" if args.gla else "random" if args.random is not None else
+            "calibrate" if args.calibrate else "default")
     random_meta = None
-    if mode == "gla":
+    if mode == "calibrate":
+        if args.plan:
+            from .calibrate import measurements
+
+            print("\n".join(f"{d} {s.label} pieces={P}" for d, s, P in measurements()))
+            return 0
+    elif mode == "gla":
         if args.plan:
             from .gla import GLA_CASE
 
@@ -144,14 +156,18 @@ def main(argv=None) -> int:
               "On a CPU, `python -m chunkstate.bench --plan` lists the cases and estimates the GPU time, "
               "and tests/test_bench.py checks the byte counts, table, JSON and figure.", file=sys.stderr)
         return 2
-    if (mode == "sweep" and not shapes) or (mode not in ("sweep", "gla") and not cases):
+    if (mode == "sweep" and not shapes) or (mode not in ("sweep", "gla", "calibrate") and not cases):
         print(f"no shape matches --shapes {args.shapes}; shapes: {[s.label for s in SHAPES]}", file=sys.stderr)
         return 2
     from . import runner
 
     cache, tmp = _fresh_triton_cache(args.keep_cache)
     try:
-        if mode == "gla":
+        if mode == "calibrate":
+            from . import calibrate
+
+            calibrate.run(args, cache)
+        elif mode == "gla":
             from .gla import run_gla
 
             run_gla(args, cache)
