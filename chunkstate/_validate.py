@@ -25,7 +25,13 @@ def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, l
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if shape is not None:
-        ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
+        sizes = x.shape
+        ok = len(sizes) == len(shape)
+        if ok:
+            for s, d in zip(shape, sizes):
+                if s is not None and s != d:
+                    ok = False
+                    break
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")

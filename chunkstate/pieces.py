@@ -206,7 +206,7 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
 
 def packed(x, B: int, T: int):
     """A dense [B, T, ...] tensor as one packed row [1, B·T, ...] (the same memory); None stays None."""
-    return None if x is None else x.reshape(1, B * T, *x.shape[2:])
+    return x if x is None or B == 1 else x.reshape(1, B * T, *x.shape[2:])
 
 
 def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use_gv: bool, reverse: bool) -> None:
