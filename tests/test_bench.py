@@ -723,3 +723,39 @@ def test_calibration_recovers_the_constants_it_was_made_from():
     assert "0.410" in shown and "230.0" in shown and "PIECES_FIXED_US" in shown
     # the method needs every launch in one wave of programs (waves = 1 in the model's terms)
     assert all(bench.programs_64(s) * P <= tuning.H200_SMS for _, s, P in calibrate.measurements())
+
+
+def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path, monkeypatch):
+    """``--calibrate``'s GPU loop, with the GPU side stood in for: every measurement is called with
+    its pieces count and timed once, and the report (timings, fit, the constants in use) is written."""
+    import json
+    import types
+
+    from chunkstate.bench import calibrate, runner
+
+    made_from = {"fwd": (0.4, 0.6, 170.0, 60.0), "bwd": (0.5, 0.7, 210.0, 70.0)}
+    calls = []
+
+    def fake_call(lib, case, inp, **extra):
+        assert lib is chunkstate and case.final and case.gate == "g" and inp.shape == case.shape
+        step, piece_step, fixed, one_pass_fixed = made_from[case.direction]
+        P, chunks = extra["pieces"], -(-case.shape.T // bench.BT)
+        if case.shape.T == calibrate.T_TINY:
+            us = (one_pass_fixed + chunks * step) if P == 1 else fixed + 2 * -(-chunks // P) * piece_step
+        else:
+            us = 30.0 + (chunks * step if P == 1 else 2 * -(-chunks // P) * piece_step)
+        calls.append((case.direction, case.shape.label, P))
+        return lambda: us / 1e3
+
+    monkeypatch.setattr(runner, "Inputs", lambda shape: types.SimpleNamespace(shape=shape))
+    monkeypatch.setattr(runner, "call", fake_call)
+    monkeypatch.setattr(runner, "do_bench", lambda fn: {"ms": fn(), "p20": fn(), "p80": fn()})
+    report = calibrate.run(types.SimpleNamespace(out=str(tmp_path)), {"fresh": False, "dir": None})
+    assert calls == [(d, s.label, P) for d, s, P in calibrate.measurements()]
+    written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
+    assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
+    assert written["in_use"]["fixed_us"] == pieces.PIECES_FIXED_US and written["meta"]["mode"] == "calibrate"
+    for direction, (step, piece_step, fixed, one_pass_fixed) in made_from.items():
+        got = written["fitted"][direction]
+        assert (got["step_us"], got["piece_step_us"]) == (pytest.approx(step), pytest.approx(piece_step))
+        assert (got["fixed_us"], got["one_pass_fixed_us"]) == (pytest.approx(fixed), pytest.approx(one_pass_fixed))
