@@ -125,21 +125,21 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
 
     with serialised():
         if config is None:
-            chosen = tuned_config(tuned, args)
+            tune_key = autotune_key(tuned, args)
+            chosen = tuned_config(tuned, tune_key)
             if chosen is None:  # a new key: the autotuner prunes, compiles and times its candidates
                 compiled = tuned[grid](**args)
                 chosen = tuned.best_config
             else:  # tuned before: launch its choice directly (Autotuner.run would only look it up)
                 tuned.best_config = chosen
                 compiled = kernel[grid](**args, **chosen.all_kwargs())
-            if key is not None and chosen is not None:
-                remember_direct(key, kernel, compiled, call_args, {**keyed, **chosen.kwargs}, grid(chosen.kwargs),
-                                tuned=tuned, tune_key=autotune_key(tuned, args), chosen=chosen)
         else:
+            tune_key, chosen = None, config
             compiled = kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps,
                                     num_stages=config.num_stages)
-            if key is not None:
-                remember_direct(key, kernel, compiled, call_args, {**keyed, **config.kwargs}, grid(config.kwargs))
+        if key is not None and chosen is not None:
+            remember_direct(key, kernel, compiled, call_args, {**keyed, **chosen.kwargs}, grid(chosen.kwargs),
+                            tuned=tuned if config is None else None, tune_key=tune_key, chosen=chosen)
 
 
 # ---------------------------------------------------------------- direct launches
@@ -214,9 +214,7 @@ def _key_plan(kernel, names: tuple) -> tuple:
     constants = [n for n in names if n not in params or params[n].is_constexpr]
     widths = [n for n in names if n in params and not params[n].is_constexpr and params[n].do_not_specialize]
     tensors = [n for n in names if n not in constants and n not in widths]
-    getter = itemgetter(*constants) if len(constants) > 1 else (
-        (lambda a, n=constants[0]: (a[n],)) if constants else None)
-    return getter, tuple(tensors), tuple(widths)
+    return itemgetter(*constants) if constants else None, tuple(tensors), tuple(widths)
 
 
 def remember_direct(key: tuple, kernel, compiled, call_args: dict, added: dict, grid: tuple, *, tuned=None,
@@ -304,15 +302,15 @@ def autotune_key(tuned, args: dict) -> tuple:
     return tuple(key)
 
 
-def tuned_config(tuned, args: dict):
-    """The config ``tuned`` chose earlier for this launch's key, or None (a new key, or one config
-    only). A repeated call then skips ``Autotuner.run``, which rebuilds the key and re-binds every
+def tuned_config(tuned, key: tuple):
+    """The config ``tuned`` chose earlier for a launch of this ``autotune_key``, or None (a new key,
+    or one config only). A repeated call then skips ``Autotuner.run``, which rebuilds the key and re-binds every
     argument before launching the same config: ~20 µs of host time a launch on an H200's host,
     which decides the time of calls of under ~0.1 ms of GPU work. Should Triton ever build its key
     differently, nothing is found here and every call goes through ``Autotuner.run`` as before."""
     if len(tuned.configs) < 2:
         return None
-    return tuned.cache.get(autotune_key(tuned, args))
+    return tuned.cache.get(key)
 
 
 _ARG_NAMES: dict[int, frozenset] = {}

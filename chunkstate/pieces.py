@@ -205,7 +205,8 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
 
 
 def packed(x, B: int, T: int):
-    """A dense [B, T, ...] tensor as one packed row [1, B·T, ...] (the same memory); None stays None."""
+    """A dense [B, T, ...] tensor as one packed row [1, B·T, ...] (the same memory); None, and a
+    batch of one row, stay as they are."""
     return x if x is None or B == 1 else x.reshape(1, B * T, *x.shape[2:])
 
 

@@ -27,6 +27,7 @@ import statistics
 from pathlib import Path
 
 from .. import pieces as _pieces
+from .._host import cdiv
 from .model import BT, Case, Shape
 
 T_SHORT, T_LONG, T_TINY = 32768, 131072, 4096
@@ -52,7 +53,12 @@ def measurements() -> list[tuple[str, Shape, int]]:
 
 
 def _chunks(T: int) -> int:
-    return -(-T // BT)
+    return cdiv(T, BT)
+
+
+def _piece_steps(T: int, P: int) -> int:
+    """Chunk steps a call in P pieces walks over its two passes."""
+    return 2 * cdiv(_chunks(T), P)
 
 
 def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float]]:
@@ -69,11 +75,12 @@ def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float
             step = (ms(T_LONG, 1) - ms(T_SHORT, 1)) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
             steps.append(step)
             one_pass_fixed.append(ms(T_TINY, 1) * 1e3 - _chunks(T_TINY) * step)
-            walk = lambda T: 2 * -(-_chunks(T) // PIECES_FOR_STEP)  # noqa: E731 chunk steps over both passes
-            piece_step = (ms(T_LONG, PIECES_FOR_STEP) - ms(T_SHORT, PIECES_FOR_STEP)) * 1e3 / (walk(T_LONG) - walk(T_SHORT))
+            P = PIECES_FOR_STEP
+            piece_step = ((ms(T_LONG, P) - ms(T_SHORT, P)) * 1e3
+                          / (_piece_steps(T_LONG, P) - _piece_steps(T_SHORT, P)))
             piece_steps.append(piece_step)
             for P in PIECES_FOR_FIXED:
-                fixed.append(ms(T_TINY, P) * 1e3 - 2 * -(-_chunks(T_TINY) // P) * piece_step)
+                fixed.append(ms(T_TINY, P) * 1e3 - _piece_steps(T_TINY, P) * piece_step)
         out[direction] = {"step_us": statistics.median(steps), "piece_step_us": statistics.median(piece_steps),
                           "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed)}
     return out
@@ -104,14 +111,12 @@ def run(args, cache: dict) -> dict:
 
     from . import runner
 
-    timings, rows = {}, []
-    by_shape = {}
+    timings, rows, inp = {}, [], None
     for direction, shape, P in measurements():
-        inp = by_shape.get(shape)
-        if inp is None:
-            by_shape.clear()
+        if inp is None or inp.shape != shape:  # one shape's inputs at a time
+            inp = None
             torch.cuda.empty_cache()
-            inp = by_shape[shape] = runner.Inputs(shape)
+            inp = runner.Inputs(shape)
         fn = runner.call(chunkstate, Case(shape, direction, final=True), inp, pieces=P)
         fn()
         t = runner.do_bench(fn)

@@ -112,7 +112,8 @@ def random_summary(report: dict) -> dict:
             "x_floor_worst": max(floors, default=None),
             "pieces_explored": len(autos), "pieces_ok": sum(x <= PIECES_SLACK for x, _ in autos),
             "pieces_worst": max(autos, default=None),
-            "choice_ok": sum(x <= PIECES_SLACK for x, _ in choices), "choice_worst": max(choices, default=None)}
+            "choices_explored": len(choices), "choice_ok": sum(x <= PIECES_SLACK for x, _ in choices),
+            "choice_worst": max(choices, default=None)}
 
 
 def format_random_summary(report: dict) -> str:
@@ -123,12 +124,11 @@ def format_random_summary(report: dict) -> str:
     xfw = f"{s['x_floor_worst'][0]:.2f} ({s['x_floor_worst'][1]})" if s["x_floor_worst"] else "-"
     pw = f"{s['pieces_worst'][0]:.2f}× ({s['pieces_worst'][1]})" if s["pieces_worst"] else "-"
     cw = f"{s['choice_worst'][0]:.2f}× ({s['choice_worst'][1]})" if s["choice_worst"] else "-"
-    n_choices = sum(1 for r in report["cases"] if r.get("choice_over_best"))
     return (f"random seed {m.get('seed')}, {m.get('n')} shapes, {s['cases']} cases: chunkstate >= {WIN_AT}× fla in "
             f"{pct(s['wins'], s['compared'])}; fla/ours geomean {_fmt(s['geomean'], '.2f')}, worst {worst}; "
             f"×floor median {_fmt(s['x_floor_median'], '.2f')}, worst {xfw}; auto pieces within "
             f"{round(100 * (PIECES_SLACK - 1))} % of the best explicit count in {pct(s['pieces_ok'], s['pieces_explored'])}"
-            f", worst {pw}; its count, judged by the explicit timings, in {pct(s['choice_ok'], n_choices)}, worst {cw}")
+            f", worst {pw}; its count, judged by the explicit timings, in {pct(s['choice_ok'], s['choices_explored'])}, worst {cw}")
 
 
 def format_sweep(report: dict) -> str:
