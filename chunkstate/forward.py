@@ -214,7 +214,7 @@ def chunk_fwd_h(
 
     h = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=k.device) if output_final_state else None
-    P = _pieces.choose(pieces, p)
+    P = _pieces.choose(pieces, p, "fwd")
     if P == 1:
         _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
                       N=p.N, states=h, start=h0, end=ht)

@@ -15,9 +15,10 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
    would have stored them (pieces are whole splits, so the state slots line up).
 
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
-their inputs twice (1.5× the unsplit bytes) and a call costs three launches instead of one, about
-0.3 ms of host time on an H200 whatever the size, so they pay only for long sequences far below
-one wave of programs: ``auto_pieces`` decides with a measured cost model (``predicted_us``), and
+their inputs twice (1.5× the unsplit bytes) and a call costs three launches instead of one (about
+70-80 µs on an H200 whatever the size, against 30 µs for one launch: the host's time), so they pay
+only for long sequences far below one wave of programs: ``auto_pieces`` decides with a cost model
+measured per direction (``COSTS``, ``predicted_us``), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
@@ -26,6 +27,8 @@ This module sits above the launch path (``launch``): ``forward.py`` and ``backwa
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,20 +37,26 @@ import triton.language as tl
 from . import _host, tuning
 from .env import INTERPRET
 from .kernel_parts import load_state, program_tile, store_state
-from .launch import Problem, launch_plain
+from .launch import Problem, launch_plain, serialised
 
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
 
-# The cost model behind auto_pieces, in microseconds, measured on an H200 (figures/README.md, "The
-# pieces path: where its time goes"). Far below one wave a program's walk through its chunks is
-# bound by latency: about CHUNK_STEP_US per chunk whatever the tile (0.36-0.57 measured at
-# K, V = 64 and 128, forward and backward, with few programs). A call cut into pieces costs at least
-# PIECES_FIXED_US however little work it holds: three launches instead of one, their arguments
-# checked and bound, the workspace allocated (the host's time, 0.22-0.51 ms measured for 2-8
-# pieces), against one launch's 0.09-0.18 ms.
-CHUNK_STEP_US = 0.37
-PIECES_FIXED_US = 300.0
+
+class Cost(NamedTuple):
+    """The constants of the cost model behind ``auto_pieces`` for one direction, in µs."""
+    step_us: float  # one pass: one chunk step of a program's walk, far below one wave (latency-bound)
+    piece_step_us: float  # a call in pieces: one chunk step of a piece, either pass
+    fixed_us: float  # a call in pieces however little it holds: the host's time for its three launches
+    one_pass_fixed_us: float  # a one-pass call however little it holds: the host's time for one launch
+
+
+# Measured on an H200 by ``python -m chunkstate.bench --calibrate`` (figures/pieces_calibration_h200.json;
+# figures/README.md, "The pieces path: where its time goes"): each constant where the others vanish,
+# with few programs (one wave), gate g, bf16, final states. The two fixed costs are the host's, and
+# hosts differ: the same calls took up to twice as long on another H200 machine's CPU.
+COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=67.4, one_pass_fixed_us=28.5),
+         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=78.5, one_pass_fixed_us=33.4)}
 SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
@@ -58,18 +67,21 @@ def programs_64(N: int, H: int, K: int, V: int) -> int:
     return N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
 
 
-def predicted_us(pieces: int, programs: int, chunks: int, sms: int) -> float:
-    """The cost model's time of one call whose launch has ``programs`` programs, each walking
-    ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one pass) on ``sms``
-    multiprocessors: latency-bound chunk steps, twice over (the two passes) on ``pieces`` times the
-    programs in ``ceil(programs·pieces / sms)`` waves, never under the fixed cost of the pieces path."""
+def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: str = "fwd") -> float:
+    """The cost model's time of one call in ``direction`` ("fwd" or "bwd") whose launch has ``programs``
+    programs, each walking ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one
+    pass) on ``sms`` multiprocessors: latency-bound chunk steps in ``ceil(programs / sms)`` waves,
+    and for pieces twice over (the two passes) on ``pieces`` times the programs, plus the scan;
+    never under the host's time for the call (``COSTS``)."""
+    c = COSTS[direction]
     if pieces == 1:
-        return chunks * CHUNK_STEP_US * _host.cdiv(programs, sms)
+        return max(c.one_pass_fixed_us, chunks * c.step_us * _host.cdiv(programs, sms))
     waves = _host.cdiv(programs * pieces, sms)
-    return max(PIECES_FIXED_US, 2 * _host.cdiv(chunks, pieces) * CHUNK_STEP_US * waves + SCAN_US)
+    return max(c.fixed_us, 2 * _host.cdiv(chunks, pieces) * c.piece_step_us * waves + SCAN_US)
 
 
-def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64) -> int:
+def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64,
+                direction: str = "fwd") -> int:
     """How many pieces to cut each sequence into on a GPU of ``sms`` multiprocessors: 1 unless one
     pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
     says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
@@ -79,25 +91,25 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     if programs == 0 or programs >= sms // 2:
         return 1
     chunks = _host.cdiv(max_len, BT)
-    one_pass = predicted_us(1, programs, chunks, sms)
+    one_pass = predicted_us(1, programs, chunks, sms, direction)
     best, best_key = 1, None
     for P in PIECE_COUNTS:
         if max_len < P * max(MIN_PIECE_TOKENS, BS):
             break
-        t = predicted_us(P, programs, chunks, sms)
+        t = predicted_us(P, programs, chunks, sms, direction)
         key = (t, 2 * _host.cdiv(chunks, P) * _host.cdiv(programs * P, sms))
         if t < PIECES_MARGIN * one_pass and (best_key is None or key < best_key):
             best, best_key = P, key
     return best
 
 
-def choose(pieces, p: Problem) -> int:
+def choose(pieces, p: Problem, direction: str) -> int:
     """Validate the caller's ``pieces`` and return the count to use: ``None`` asks ``auto_pieces``
-    for this device (1 under the interpreter, where nothing runs in parallel)."""
+    for this device and ``direction`` (1 under the interpreter, where nothing runs in parallel)."""
     if pieces is None:
         if INTERPRET:
             return 1
-        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT)
+        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT, direction)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces
@@ -176,10 +188,44 @@ def piece_scan_kernel(
         store_state(s_end + i_nh * K * V, b_s, o_k, o_v, K, V, STATE_V_FIRST)
 
 
+# Workspaces kept between calls: a call in pieces would otherwise allocate one and take four views
+# of it every time, ~25 µs of an H200 host's time (figures/README.md, "The pieces path: where its
+# time goes"). One is reused only by a later call on the same device and stream, which the GPU runs
+# after this one's kernels have finished with it; ``run`` holds the launch lock, so two threads
+# never interleave their passes over one workspace. Never while a CUDA graph is being captured.
+_WORKSPACES: OrderedDict[tuple, tuple] = OrderedDict()
+MAX_WORKSPACES = 4  # kept, the least recently used dropped first
+MAX_KEPT_BYTES = 64 << 20  # a larger workspace is allocated per call, as before
+
+
 def _workspace(NP: int, p: Problem, use_gv: bool, device):
     """F and S [NP, H, *state], decay_k [NP, H, K] and decay_v [NP, H, V] (None without gv), fp32,
-    as views of one allocation (each part starting on a 128-byte boundary): one allocation per
-    call instead of four."""
+    as views of one allocation (each part starting on a 128-byte boundary), kept for the next call
+    of the same sizes on this device and stream (``_WORKSPACES``)."""
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return _new_workspace(NP, p, use_gv, device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
+           p.state_v_first, use_gv)
+    views = _WORKSPACES.get(key)
+    if views is None:
+        views = _new_workspace(NP, p, use_gv, device)
+        if views[0].untyped_storage().nbytes() > MAX_KEPT_BYTES:
+            return views
+        _WORKSPACES[key] = views
+        while len(_WORKSPACES) > MAX_WORKSPACES:
+            _WORKSPACES.popitem(last=False)
+    _WORKSPACES.move_to_end(key)
+    return views
+
+
+def clear_workspaces() -> None:
+    """Drop the workspaces kept between calls (their memory goes back to torch's allocator)."""
+    with serialised():
+        _WORKSPACES.clear()
+
+
+def _new_workspace(NP: int, p: Problem, use_gv: bool, device):
     sizes = [NP * p.H * p.K * p.V] * 2 + [NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
     starts, total = [], 0
     for n in sizes:
@@ -219,12 +265,13 @@ def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use
     ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the last."""
     dev = states.device
     NP, cu_pieces, seq_pieces, piece_splits = _plan_on_device(p.lengths, p.BS, pieces, dev)
-    F, S, decay_k, decay_v = _workspace(NP, p, use_gv, dev)
-    # 1. each piece from zero: its contribution f_p and its total decays d_p, d_{v,p}
-    run_pass(cu_seqlens=cu_pieces, split_offsets=None, N=NP, states=None, start=None, end=F,
-             decay_k=decay_k, decay_v=decay_v)
-    # 2. the true state entering each piece (leaving it, in reverse), and the end state
-    scan(F, decay_k, decay_v, start, end, seq_pieces, p.N, p.H, p.K, p.V, reverse, p.state_v_first, S)
-    # 3. each piece again from its true start, storing its states in place
-    run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP, states=states.view(1, -1, *states.shape[2:]),
-             start=S, end=None)
+    with serialised():  # the workspace is this call's until its three launches are queued
+        F, S, decay_k, decay_v = _workspace(NP, p, use_gv, dev)
+        # 1. each piece from zero: its contribution f_p and its total decays d_p, d_{v,p}
+        run_pass(cu_seqlens=cu_pieces, split_offsets=None, N=NP, states=None, start=None, end=F,
+                 decay_k=decay_k, decay_v=decay_v)
+        # 2. the true state entering each piece (leaving it, in reverse), and the end state
+        scan(F, decay_k, decay_v, start, end, seq_pieces, p.N, p.H, p.K, p.V, reverse, p.state_v_first, S)
+        # 3. each piece again from its true start, storing its states in place
+        run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP,
+                 states=states.view(1, -1, *states.shape[2:]), start=S, end=None)

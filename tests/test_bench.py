@@ -377,6 +377,7 @@ def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     assert [c["case"] for c in back["cases"]] == [c.label for c in cases]
     assert back["meta"]["mode"] == "quick" and back["meta"]["copy"]["tbps"] == 4.0
     assert back["meta"]["fla"]["available"] and back["meta"]["wall_s"] > 0
+    assert back["meta"]["host"]["cores"] == os.cpu_count() and back["meta"]["host"]["cpu"]  # whose host timed it
     assert (tmp_path / "bench_h200_quick.png").stat().st_size > 10_000
     assert report["cases"][0]["ours"]["x_floor"] == pytest.approx(1.0 / report["cases"][0]["floor_ms"])
 
@@ -639,34 +640,47 @@ def test_random_cli_plans_and_shards(capsys):
 
 # -- the pieces' cost model (chunkstate.pieces.auto_pieces)
 
-def test_pieces_cost_model_by_hand():
-    us = pieces.CHUNK_STEP_US
-    # one pass: 1,024 chunks of latency-bound steps, one wave
-    assert pieces.predicted_us(1, 32, 1024, 132) == pytest.approx(1024 * us)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_pieces_cost_model_by_hand(direction):
+    c = pieces.COSTS[direction]
+    # one pass: 1,024 chunks of latency-bound steps, one wave; 200 programs: two waves
+    assert pieces.predicted_us(1, 32, 1024, 132, direction) == pytest.approx(1024 * c.step_us)
+    assert pieces.predicted_us(1, 200, 1024, 132, direction) == pytest.approx(2 * 1024 * c.step_us)
+    assert pieces.predicted_us(1, 32, 4, 132, direction) == c.one_pass_fixed_us  # tiny work: the host's time
     # 4 pieces of 256 chunks, 128 programs in one wave, both passes, the scan; above the fixed cost
-    assert pieces.predicted_us(4, 32, 1024, 132) == pytest.approx(max(pieces.PIECES_FIXED_US, 2 * 256 * us + pieces.SCAN_US))
+    assert pieces.predicted_us(4, 32, 1024, 132, direction) == pytest.approx(
+        max(c.fixed_us, 2 * 256 * c.piece_step_us + pieces.SCAN_US))
     # 8 pieces: 256 programs, two waves
-    assert pieces.predicted_us(8, 32, 4096, 132) == pytest.approx(2 * 512 * us * 2 + pieces.SCAN_US)
-    assert pieces.predicted_us(2, 1, 10, 132) == pieces.PIECES_FIXED_US  # tiny work: the fixed cost
+    assert pieces.predicted_us(8, 32, 8192, 132, direction) == pytest.approx(2 * 1024 * c.piece_step_us * 2 + pieces.SCAN_US)
+    assert pieces.predicted_us(2, 1, 10, 132, direction) == c.fixed_us  # tiny work: the fixed cost
 
 
-@pytest.mark.parametrize("N, H, K, V, T", [(2, 4, 128, 128, 16384), (1, 2, 128, 128, 16384), (4, 2, 128, 128, 8192),
-                                           (8, 8, 64, 64, 8192), (4, 4, 64, 64, 4096)])
-def test_pieces_never_chosen_where_one_pass_is_short(N, H, K, V, T):
-    """The shapes where the old rule (cut below half a wave, aiming at two waves) lost 3-5x on an
-    H200: one pass takes under ~0.3 ms, the pieces path's fixed cost; the model keeps them whole."""
-    assert pieces.auto_pieces(N, H, K, V, T, 64, 132) == 1
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("N, H, K, V, T", [(4, 2, 128, 128, 8192), (1, 2, 128, 128, 10240), (8, 8, 64, 64, 8192),
+                                           (4, 4, 64, 64, 4096), (1, 4, 64, 64, 6144)])
+def test_pieces_never_chosen_where_one_pass_is_short(N, H, K, V, T, direction):
+    """Shapes far below a wave whose one pass takes less than the pieces path's fixed cost over the
+    margin (the host's time for three launches): the model keeps them whole, in both directions."""
+    programs, chunks = N * H * -(-K // 64) * -(-V // 64), -(-T // 64)
+    assert programs < 66
+    assert pieces.predicted_us(1, programs, chunks, 132, direction) < pieces.COSTS[direction].fixed_us / pieces.PIECES_MARGIN
+    assert pieces.auto_pieces(N, H, K, V, T, 64, 132, direction=direction) == 1
 
 
-def test_pieces_chosen_for_long_sequences_far_below_a_wave():
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_pieces_chosen_for_long_sequences_far_below_a_wave(direction):
     for N, H, K, V, T in [(1, 8, 128, 128, 65536), (1, 4, 128, 128, 131072), (1, 2, 64, 64, 65536), (3, 1, 256, 64, 100_000)]:
-        P = pieces.auto_pieces(N, H, K, V, T, 64, 132)
+        P = pieces.auto_pieces(N, H, K, V, T, 64, 132, direction=direction)
         programs = N * H * -(-K // 64) * -(-V // 64)
         assert P in pieces.PIECE_COUNTS and T // P >= pieces.MIN_PIECE_TOKENS
-        assert pieces.predicted_us(P, programs, -(-T // 64), 132) < pieces.PIECES_MARGIN * pieces.predicted_us(
-            1, programs, -(-T // 64), 132)
-    assert pieces.auto_pieces(16, 8, 128, 128, 131072, 64, 132) == 1  # 512 programs: the GPU is full
-    assert pieces.auto_pieces(1, 4, 128, 128, 131072, 65536, 132) == 1  # splits of 64k: no piece fits twice
+        chunks = -(-T // 64)
+        best = pieces.predicted_us(P, programs, chunks, 132, direction)
+        assert best < pieces.PIECES_MARGIN * pieces.predicted_us(1, programs, chunks, 132, direction)
+        assert all(best <= pieces.predicted_us(Q, programs, chunks, 132, direction)
+                   for Q in pieces.PIECE_COUNTS if T >= Q * pieces.MIN_PIECE_TOKENS)
+    assert pieces.auto_pieces(16, 8, 128, 128, 131072, 64, 132, direction=direction) == 1  # 512 programs: full
+    assert pieces.auto_pieces(1, 4, 128, 128, 131072, 65536, 132, direction=direction) <= 2  # whole splits of 64k
+    assert pieces.auto_pieces(1, 4, 128, 128, 131072, 131072, 132, direction=direction) == 1  # one split: no cut
 
 
 def test_parse_shape_labels():
@@ -704,10 +718,10 @@ def test_calibration_recovers_the_constants_it_was_made_from():
     for direction, shape, P in calibrate.measurements():
         step, piece_step, fixed, one_pass_fixed = truth[direction]
         chunks = -(-shape.T // bench.BT)
-        if shape.T == calibrate.T_TINY and P == 1:
-            us = one_pass_fixed + chunks * step
+        if shape.T == calibrate.T_TINY and P == 1:  # host-bound: the GPU's work runs while the host launches
+            us = max(one_pass_fixed, chunks * step)
         elif shape.T == calibrate.T_TINY:
-            us = fixed + 2 * -(-chunks // P) * piece_step
+            us = max(fixed, 2 * -(-chunks // P) * piece_step)
         elif P == 1:
             us = 37.0 + chunks * step
         else:
@@ -720,7 +734,7 @@ def test_calibration_recovers_the_constants_it_was_made_from():
         assert fitted[direction]["fixed_us"] == pytest.approx(fixed)
         assert fitted[direction]["one_pass_fixed_us"] == pytest.approx(one_pass_fixed)
     shown = calibrate.format_fit(fitted)
-    assert "0.410" in shown and "230.0" in shown and "PIECES_FIXED_US" in shown
+    assert "0.410" in shown and "230.0" in shown and "pieces.COSTS" in shown
     # the method needs every launch in one wave of programs (waves = 1 in the model's terms)
     assert all(bench.programs_64(s) * P <= tuning.H200_SMS for _, s, P in calibrate.measurements())
 
@@ -741,7 +755,7 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
         step, piece_step, fixed, one_pass_fixed = made_from[case.direction]
         P, chunks = extra["pieces"], -(-case.shape.T // bench.BT)
         if case.shape.T == calibrate.T_TINY:
-            us = (one_pass_fixed + chunks * step) if P == 1 else fixed + 2 * -(-chunks // P) * piece_step
+            us = max(one_pass_fixed, chunks * step) if P == 1 else max(fixed, 2 * -(-chunks // P) * piece_step)
         else:
             us = 30.0 + (chunks * step if P == 1 else 2 * -(-chunks // P) * piece_step)
         calls.append((case.direction, case.shape.label, P))
@@ -754,7 +768,7 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     assert calls == [(d, s.label, P) for d, s, P in calibrate.measurements()]
     written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
-    assert written["in_use"]["fixed_us"] == pieces.PIECES_FIXED_US and written["meta"]["mode"] == "calibrate"
+    assert written["in_use"]["bwd"]["fixed_us"] == pieces.COSTS["bwd"].fixed_us and written["meta"]["mode"] == "calibrate"
     for direction, (step, piece_step, fixed, one_pass_fixed) in made_from.items():
         got = written["fitted"][direction]
         assert (got["step_us"], got["piece_step_us"]) == (pytest.approx(step), pytest.approx(piece_step))

@@ -392,6 +392,85 @@ def test_sequence_pieces_against_loop(pieces, cu, gs, vf, tile, device):
     check_close(ht, ht1, "pieces vs one piece (ht)", TOL_FP32)
 
 
+def _kept_workspace_ptrs():
+    from chunkstate import pieces
+    return [views[0].data_ptr() for views in pieces._WORKSPACES.values()]
+
+
+@cpu_only
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "too-large-to-keep"])
+def test_pieces_workspace_kept_between_calls_never_mixes_them(keep, device, monkeypatch):
+    """A call in pieces keeps its workspace (F, S and the decays) for the next call of the same sizes
+    on the same device and stream: the second call, on other inputs, reuses that memory and still
+    gets its own answer; a workspace over ``MAX_KEPT_BYTES`` is allocated per call and not kept."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    if not keep:
+        monkeypatch.setattr(pieces, "MAX_KEPT_BYTES", 0)
+    B, T, H, K, V, BT, BS = 1, 96, 2, 16, 16, 16, 32
+    for round_ in range(3):  # fresh inputs each round, the same sizes
+        case = make_case(B, T, H, K, V, torch.float32, ("g", "gk"), True, None, device)
+        h, ht = check_against_loop(case, TOL_FP32, TOL_FP32, BT, BS, what=f"pieces=3, call {round_}", pieces=3)
+        ptrs = _kept_workspace_ptrs()
+        if keep:
+            assert len(ptrs) == 1, "one workspace kept for these sizes"
+            if round_ == 0:
+                first = ptrs[0]
+            assert ptrs[0] == first, "a later call of the same sizes must reuse the kept workspace"
+        else:
+            assert ptrs == [], "a workspace over MAX_KEPT_BYTES must not be kept"
+    other = make_case(B, T, 3, K, V, torch.float32, ("g",), False, None, device)  # other sizes: another one
+    check_against_loop(other, TOL_FP32, TOL_FP32, BT, BS, what="pieces=3, three heads", pieces=3)
+    assert len(_kept_workspace_ptrs()) == (2 if keep else 0)
+    pieces.clear_workspaces()
+    assert _kept_workspace_ptrs() == []
+
+
+@gpu_only
+def test_gpu_pieces_on_two_streams_and_in_a_cuda_graph():
+    """Calls in pieces alternating between two streams keep one workspace per stream and give each
+    call its own answer; a call captured in a CUDA graph allocates its own (none kept from inside the
+    capture) and replays to the answer of the inputs it finds."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    B, T, H, K, V, BT = 1, 8192, 2, 64, 64, 64
+    cases = [make_case(B, T, H, K, V, torch.bfloat16, ("g",), True, None, "cuda") for _ in range(4)]
+    refs = [run_kernel(c, BT, pieces=1, states_in_fp32=True) for c in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for i, c in enumerate(cases):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(run_kernel(c, BT, pieces=4, states_in_fp32=True))
+    torch.cuda.synchronize()
+    assert len(_kept_workspace_ptrs()) == 2, "one workspace per stream"
+    for i, ((h, ht), (h1, ht1)) in enumerate(zip(outs, refs)):
+        check_close(h, h1, f"call {i} on stream {i % 2}: h, pieces=4 vs one pass", TOL_TF32)
+        check_close(ht, ht1, f"call {i} on stream {i % 2}: ht, pieces=4 vs one pass", TOL_TF32)
+
+    c = cases[0]
+    kw = dict(**kernel_gates(c["nat"], BT, None), h0=c["h0"], output_final_state=True, chunk_size=BT,
+              states_in_fp32=True, pieces=4)
+    k, v = c["k"].clone(), c["v"].clone()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        chunkstate.chunk_fwd_h(k, v, **kw)  # warm: tuned and compiled outside the capture
+    torch.cuda.synchronize()
+    kept = _kept_workspace_ptrs()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h_g, ht_g = chunkstate.chunk_fwd_h(k, v, **kw)
+    assert _kept_workspace_ptrs() == kept, "nothing kept from inside a capture"
+    for c2 in cases[1:]:  # new k and v in the captured tensors; the gate and h0 captured stay
+        k.copy_(c2["k"]), v.copy_(c2["v"])
+        h1, ht1 = run_kernel({**c2, "h0": c["h0"], "nat": c["nat"]}, BT, pieces=1, states_in_fp32=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(h_g, h1, "graph replay: h", TOL_TF32)
+        check_close(ht_g, ht1, "graph replay: ht", TOL_TF32)
+
+
 # -- TMA loads (USE_TMA configs): the interpreter emulates Hopper's tensor descriptors
 
 def tma_config(BK, BV):

@@ -1,8 +1,8 @@
 """``python -m chunkstate.bench --calibrate``: measure the constants of the pieces cost model
 (``chunkstate.pieces.predicted_us``) on this GPU, per direction, and print them beside the ones in
-use. The model charges
+use (``pieces.COSTS``). The model charges
 
-    one pass:   chunks × step × waves
+    one pass:   max(one-pass fixed, chunks × step × waves)
     P pieces:   max(fixed, 2 · ⌈chunks / P⌉ × piece step × waves + scan)
 
 and this mode measures each term where the others vanish, with few programs (one wave), gate ``g``,
@@ -10,13 +10,14 @@ bf16, final states, BT = 64 (``CALIBRATION``):
 
 - **step**: one pass at T = ``T_SHORT`` and ``T_LONG``; the difference over the difference in chunks
   (the host's time per call and the launch drop out);
-- **piece step**: the same with ``PIECES_FOR_STEP`` pieces (each pass walks ⌈chunks / P⌉ chunks,
-  and there are two passes);
-- **fixed**: a call in pieces at T = ``T_TINY``, whose GPU work is a few chunks, less that work
-  (taken at the piece step just measured): what a call in pieces costs however little it holds —
-  the host's time for three launches and the workspace, when that is the larger;
-- **one-pass fixed**: the same for one pass at T = ``T_TINY`` (the model has no such term yet: it
-  tells how far a one-pass call is from the host's time per call).
+- **piece step**: the same with ``PIECES_FOR_STEP`` pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG``
+  (each pass walks ⌈chunks / P⌉ chunks, and there are two passes), lengths at which both calls are
+  bound by their GPU work, not by the host's time for three launches;
+- **fixed**: the time of a call in pieces at T = ``T_TINY``, whose GPU work (a few chunks per
+  piece, under 25 µs) is far less than the host's time for its three launches: the floor the model's
+  max() puts under every call in pieces (its GPU work runs while the host launches, so it is not
+  subtracted);
+- **one-pass fixed**: the same for one pass at T = ``T_TINY``: the host's time for one launch.
 
 ``fit`` is pure (tests/test_bench.py checks it on made-up timings); ``run`` needs a CUDA GPU.
 """
@@ -31,22 +32,22 @@ from .._host import cdiv
 from .model import BT, Case, Shape
 
 T_SHORT, T_LONG, T_TINY = 32768, 131072, 4096
-PIECES_FOR_STEP = 8
+T_PIECES_SHORT, T_PIECES_LONG = 262144, 524288
+PIECES_FOR_STEP = 4
 PIECES_FOR_FIXED = (2, 4)
 CALIBRATION = (Shape(1, 0, 2, 128), Shape(1, 0, 4, 64))  # T set per measurement: 8 and 4 programs of 64×64
 OUT_NAME = "pieces_calibration_h200.json"
 
 
 def measurements() -> list[tuple[str, Shape, int]]:
-    """Every (direction, shape, pieces) to time: per direction and calibration shape, one pass and
-    ``PIECES_FOR_STEP`` pieces at ``T_SHORT`` and ``T_LONG``, one pass and each of ``PIECES_FOR_FIXED``
-    at ``T_TINY``."""
+    """Every (direction, shape, pieces) to time: per direction and calibration shape, one pass at
+    ``T_SHORT`` and ``T_LONG``, ``PIECES_FOR_STEP`` pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG``,
+    one pass and each of ``PIECES_FOR_FIXED`` at ``T_TINY``."""
     out = []
     for direction in ("fwd", "bwd"):
         for s in CALIBRATION:
-            for T in (T_SHORT, T_LONG):
-                for P in (1, PIECES_FOR_STEP):
-                    out.append((direction, Shape(s.B, T, s.H, s.K, s.V), P))
+            for T, P in ((T_SHORT, 1), (T_LONG, 1), (T_PIECES_SHORT, PIECES_FOR_STEP), (T_PIECES_LONG, PIECES_FOR_STEP)):
+                out.append((direction, Shape(s.B, T, s.H, s.K, s.V), P))
             for P in (1, *PIECES_FOR_FIXED):
                 out.append((direction, Shape(s.B, T_TINY, s.H, s.K, s.V), P))
     return out
@@ -74,32 +75,31 @@ def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float
 
             step = (ms(T_LONG, 1) - ms(T_SHORT, 1)) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
             steps.append(step)
-            one_pass_fixed.append(ms(T_TINY, 1) * 1e3 - _chunks(T_TINY) * step)
+            one_pass_fixed.append(ms(T_TINY, 1) * 1e3)
             P = PIECES_FOR_STEP
-            piece_step = ((ms(T_LONG, P) - ms(T_SHORT, P)) * 1e3
-                          / (_piece_steps(T_LONG, P) - _piece_steps(T_SHORT, P)))
+            piece_step = ((ms(T_PIECES_LONG, P) - ms(T_PIECES_SHORT, P)) * 1e3
+                          / (_piece_steps(T_PIECES_LONG, P) - _piece_steps(T_PIECES_SHORT, P)))
             piece_steps.append(piece_step)
             for P in PIECES_FOR_FIXED:
-                fixed.append(ms(T_TINY, P) * 1e3 - _piece_steps(T_TINY, P) * piece_step)
+                fixed.append(ms(T_TINY, P) * 1e3)
         out[direction] = {"step_us": statistics.median(steps), "piece_step_us": statistics.median(piece_steps),
                           "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed)}
     return out
 
 
-def in_use() -> dict[str, float]:
-    """The constants ``chunkstate.pieces`` uses now (the same for both directions)."""
-    return {"step_us": _pieces.CHUNK_STEP_US, "piece_step_us": _pieces.CHUNK_STEP_US,
-            "fixed_us": _pieces.PIECES_FIXED_US, "one_pass_fixed_us": 0.0}
+def in_use() -> dict[str, dict[str, float]]:
+    """The constants ``chunkstate.pieces`` uses now, per direction (``pieces.COSTS``)."""
+    return {direction: c._asdict() for direction, c in _pieces.COSTS.items()}
 
 
 def format_fit(fitted: dict[str, dict[str, float]]) -> str:
-    now = in_use()
-    lines = [f"{'':4s} {'step µs':>10s} {'piece step µs':>14s} {'fixed µs':>10s} {'one-pass fixed µs':>18s}"]
-    for direction, c in [*fitted.items(), ("now", now)]:
-        lines.append(f"{direction:4s} {c['step_us']:10.3f} {c['piece_step_us']:14.3f} {c['fixed_us']:10.1f} "
+    rows = [(f"{direction} measured", c) for direction, c in fitted.items()]
+    rows += [(f"{direction} in use", c) for direction, c in in_use().items()]
+    lines = [f"{'':12s} {'step µs':>10s} {'piece step µs':>14s} {'fixed µs':>10s} {'one-pass fixed µs':>18s}"]
+    for name, c in rows:
+        lines.append(f"{name:12s} {c['step_us']:10.3f} {c['piece_step_us']:14.3f} {c['fixed_us']:10.1f} "
                      f"{c['one_pass_fixed_us']:18.1f}")
-    lines[-1] += "   (chunkstate.pieces: CHUNK_STEP_US, CHUNK_STEP_US, PIECES_FIXED_US, none)"
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n(in use: chunkstate.pieces.COSTS)"
 
 
 def run(args, cache: dict) -> dict:

@@ -311,11 +311,23 @@ def _device() -> dict:
     return {"name": props.name, "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
 
 
+def _host_cpu() -> dict:
+    """The host's CPU: calls of under ~0.1 ms of GPU work take the host's time per call, which differs
+    between machines that hold the same GPU."""
+    name = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return {"cpu": name, "cores": os.cpu_count()}
+
+
 def run_info(mode: str, cache: dict) -> dict:
-    """What every report records about its run: date, mode, command line, device, versions and
-    Triton's cache dir (``cache``: ``{"fresh", "dir"}``)."""
+    """What every report records about its run: date, mode, command line, device, host CPU, versions
+    and Triton's cache dir (``cache``: ``{"fresh", "dir"}``)."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": mode, "argv": sys.argv[1:], "device": _device(), "versions": _versions(),
+            "mode": mode, "argv": sys.argv[1:], "device": _device(), "host": _host_cpu(), "versions": _versions(),
             "triton_cache": cache}
 
 
