@@ -367,6 +367,20 @@ def test_run_case_plumbing(cpu_run):
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_reports_name_the_source_they_measured(tmp_path):
+    """``versions.source`` is a digest of the package's Python files: the same for the same files,
+    different when one changes, whatever ``.git`` says."""
+    import shutil
+
+    pkg = Path(chunkstate.__file__).parent
+    assert runner._versions()["source"] == runner.source_digest() == runner.source_digest(pkg)
+    copy = tmp_path / "chunkstate"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert runner.source_digest(copy) == runner.source_digest(pkg)
+    (copy / "pieces.py").write_text((copy / "pieces.py").read_text() + "\n# changed\n")
+    assert runner.source_digest(copy) != runner.source_digest(pkg)
+
+
 def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     cases = [Case(s, d) for s in TINY for d in ("fwd", "bwd")] + [Case(TINY[1], "bwd", split=128)]
     args = cli.parse_args(["--out", str(tmp_path)])

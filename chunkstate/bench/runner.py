@@ -12,6 +12,7 @@ Only the benchmark imports this module: the exercises, figures and notebooks rea
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import itertools
 import os
@@ -301,7 +302,20 @@ def _versions() -> dict:
                                   capture_output=True, text=True, timeout=10).stdout.strip() or None
     except Exception:
         v["git"] = None
+    v["source"] = source_digest()
     return v
+
+
+def source_digest(package: Path = Path(__file__).parents[1]) -> str:
+    """The first 12 hex digits of a SHA-256 over the package's Python sources (relative paths and
+    contents, in path order): which code a report measured, also where the checkout's ``.git`` is
+    missing or lags its files (as on a machine the tree was copied to)."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _device() -> dict:
