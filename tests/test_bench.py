@@ -366,7 +366,6 @@ def test_run_case_plumbing(cpu_run):
         assert r["ours"]["configs"] == {kernel: [64, 64, 4, 1, False]}
 
 
-@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_reports_name_the_source_they_measured(tmp_path):
     """``versions.source`` is a digest of the package's Python files: the same for the same files,
     different when one changes, whatever ``.git`` says."""
@@ -381,6 +380,7 @@ def test_reports_name_the_source_they_measured(tmp_path):
     assert runner.source_digest(copy) != runner.source_digest(pkg)
 
 
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     cases = [Case(s, d) for s in TINY for d in ("fwd", "bwd")] + [Case(TINY[1], "bwd", split=128)]
     args = cli.parse_args(["--out", str(tmp_path)])
