@@ -397,6 +397,31 @@ def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, monkeypatch, capsys):
+    """A random run records what this process pays for a host-bound call, one pass and 2 pieces per
+    direction, at its start and its end, beside the model's fixed costs (``pieces.COSTS``)."""
+    from chunkstate.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "T_TINY", 64)  # the probe's shape, small enough for the interpreter
+    monkeypatch.setattr(calibrate, "CALIBRATION", (Shape(1, 0, 1, 16),))
+    args = cli.parse_args(["--out", str(tmp_path)])
+    meta = {"seed": 7, "n": 1, "distribution": "test"}
+    report = runner.run_cases([Case(TINY[1], "fwd")], args, "random", {"fresh": True, "dir": "x"}, meta)
+    out = capsys.readouterr().out
+    probe = json.loads((tmp_path / "bench_h200_random_s7.json").read_text())["meta"]["host_probe"]
+    assert probe == report["meta"]["host_probe"] and set(probe) == {"start", "end"}
+    for when in ("start", "end"):
+        p = probe[when]
+        assert "error" not in p and p["shape"] == "B1 T64 H1 D16"
+        for direction, c in pieces.COSTS.items():
+            assert p[direction] == {"pieces=1": 1000.0, "pieces=2": 1000.0}  # do_bench's stand-in: 1 ms
+            assert p["model_us"][direction] == {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
+        assert f"host probe ({when}, B1 T64 H1 D16): fwd one pass 1000 µs, 2 pieces 1000 µs" in out
+    monkeypatch.setattr(runner, "call", lambda *a, **k: 1 / 0)
+    assert runner.host_probe(None)["error"].startswith("ZeroDivisionError")
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_budget_skips_shapes(cpu_run, tmp_path):
     args = cli.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})

@@ -354,6 +354,39 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
             "fla": libs.fla_info if libs else None}
 
 
+def host_probe(lib, shape: Shape | None = None) -> dict:
+    """``do_bench`` µs of one pass and of a call in 2 pieces per direction on a shape whose GPU work
+    is a few µs (``--calibrate``'s first shape at its ``T_TINY``: host-bound calls), in this process:
+    the fixed costs of the pieces model as this run pays them, beside ``pieces.COSTS`` (measured by
+    ``--calibrate`` in a process of its own). Errors are recorded, not raised."""
+    from .. import pieces
+    from .calibrate import CALIBRATION, T_TINY
+
+    s = shape or Shape(CALIBRATION[0].B, T_TINY, CALIBRATION[0].H, CALIBRATION[0].K, CALIBRATION[0].V)
+    out = {"shape": s.label, "model_us": {d: {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
+                                          for d, c in pieces.COSTS.items()}}
+    try:
+        inp = Inputs(s)
+        for direction in ("fwd", "bwd"):
+            out[direction] = {}
+            for P in (1, 2):
+                fn = call(lib, Case(s, direction, final=True), inp, pieces=P)
+                fn()
+                out[direction][f"pieces={P}"] = do_bench(fn)["ms"] * 1e3
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def format_host_probe(probe: dict, when: str) -> str:
+    if "error" in probe:
+        return f"host probe ({when}): {probe['error']}"
+    parts = [f"{d} one pass {probe[d]['pieces=1']:.0f} µs, 2 pieces {probe[d]['pieces=2']:.0f} µs "
+             f"(pieces.COSTS: {probe['model_us'][d]['pieces=1']:.0f}, {probe['model_us'][d]['pieces=2']:.0f})"
+             for d in ("fwd", "bwd")]
+    return f"host probe ({when}, {probe['shape']}): " + "; ".join(parts)
+
+
 # ---------------------------------------------------------------- runs
 
 def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict | None = None) -> dict:
@@ -366,8 +399,10 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
     if libs.fla is None:
         print(f"fla-core is not importable ({libs.fla_info['error']}): timing chunkstate alone", file=sys.stderr)
     report = {"meta": metadata(mode, copy, libs, cache), "cases": []}
-    if random_meta:
+    if random_meta:  # what this process pays per small call, before and after the cases
         report["meta"]["random"] = random_meta
+        report["meta"]["host_probe"] = {"start": host_probe(libs.ours)}
+        print(format_host_probe(report["meta"]["host_probe"]["start"], "start"), flush=True)
     json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode)
     sms = tuning.sm_count()
     progress = Progress(len(cases), f"chunkstate.bench {mode}")
@@ -396,6 +431,10 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
     finally:
         progress.close()
         report["meta"]["wall_s"] = time.perf_counter() - t0
+        if random_meta:
+            libs.clear_autotune_caches()
+            report["meta"]["host_probe"]["end"] = host_probe(libs.ours)
+            print(format_host_probe(report["meta"]["host_probe"]["end"], "end"), flush=True)
         write_json(report, json_path)
     print(format_table(report["cases"]))
     print(format_summary(report))
