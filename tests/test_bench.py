@@ -402,8 +402,9 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
     direction, at its start and its end, beside the model's fixed costs (``pieces.COSTS``)."""
     from chunkstate.bench import calibrate
 
-    monkeypatch.setattr(calibrate, "T_TINY", 64)  # the probe's shape, small enough for the interpreter
-    monkeypatch.setattr(calibrate, "CALIBRATION", (Shape(1, 0, 1, 16),))
+    assert calibrate.T_TINY == runner.HOST_PROBE.T and calibrate.CALIBRATION[0].label == Shape(
+        1, 0, runner.HOST_PROBE.H, runner.HOST_PROBE.K, runner.HOST_PROBE.V).label  # the shape --calibrate times
+    monkeypatch.setattr(runner, "HOST_PROBE", Shape(1, 64, 1, 16))  # small enough for the interpreter
     args = cli.parse_args(["--out", str(tmp_path)])
     meta = {"seed": 7, "n": 1, "distribution": "test"}
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "random", {"fresh": True, "dir": "x"}, meta)

@@ -29,13 +29,14 @@ from pathlib import Path
 
 from .. import pieces as _pieces
 from .._host import cdiv
-from .model import BT, Case, Shape
+from .model import BT, HOST_PROBE, Case, Shape
 
-T_SHORT, T_LONG, T_TINY = 32768, 131072, 4096
+T_SHORT, T_LONG, T_TINY = 32768, 131072, HOST_PROBE.T
 T_PIECES_SHORT, T_PIECES_LONG = 262144, 524288
 PIECES_FOR_STEP = 4
 PIECES_FOR_FIXED = (2, 4)
-CALIBRATION = (Shape(1, 0, 2, 128), Shape(1, 0, 4, 64))  # T set per measurement: 8 and 4 programs of 64×64
+# T set per measurement: 8 and 4 programs of 64×64; the first is HOST_PROBE's at T_TINY
+CALIBRATION = (Shape(1, 0, HOST_PROBE.H, HOST_PROBE.K, HOST_PROBE.V), Shape(1, 0, 4, 64))
 OUT_NAME = "pieces_calibration_h200.json"
 
 

@@ -108,6 +108,8 @@ SHAPES = OWN_SHAPES + FLA_SHAPES
 VARIANT_SHAPES = OWN_SHAPES[:3]
 QUICK_SHAPES = (OWN_SHAPES[0], OWN_SHAPES[2])
 SWEEP_SHAPES = (OWN_SHAPES[2], OWN_SHAPES[1], OWN_SHAPES[0], FLA_SHAPES[3])  # N·H in occupancy buckets 0, 1, 2, 3
+# A call of a few µs of GPU work, bound by the host's time: --calibrate's floors, --random's host probe
+HOST_PROBE = Shape(1, 4096, 2, 128)
 
 
 _LABEL = re.compile(r"B(\d+) T(\d+) H(\d+)(?: D(\d+)| K(\d+) V(\d+))?(?: (none|g_gamma|gk|g))?")

@@ -28,8 +28,8 @@ import triton
 
 from .. import _host, tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
-from .model import (BT, FLA_CONFIGS, Case, Shape, case_pieces, derive, explicit_pieces, new_result, tried_configs,
-                    unique_bytes)
+from .model import (BT, FLA_CONFIGS, HOST_PROBE, Case, Shape, case_pieces, derive, explicit_pieces, new_result,
+                    tried_configs, unique_bytes)
 from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, output_paths,
                      write_json, write_png)
 
@@ -356,13 +356,12 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
 
 def host_probe(lib, shape: Shape | None = None) -> dict:
     """``do_bench`` µs of one pass and of a call in 2 pieces per direction on a shape whose GPU work
-    is a few µs (``--calibrate``'s first shape at its ``T_TINY``: host-bound calls), in this process:
-    the fixed costs of the pieces model as this run pays them, beside ``pieces.COSTS`` (measured by
+    is a few µs (``HOST_PROBE``, also ``--calibrate``'s: host-bound calls), in this process: the fixed
+    costs of the pieces model as this run pays them, beside ``pieces.COSTS`` (measured by
     ``--calibrate`` in a process of its own). Errors are recorded, not raised."""
     from .. import pieces
-    from .calibrate import CALIBRATION, T_TINY
 
-    s = shape or Shape(CALIBRATION[0].B, T_TINY, CALIBRATION[0].H, CALIBRATION[0].K, CALIBRATION[0].V)
+    s = shape or HOST_PROBE
     out = {"shape": s.label, "model_us": {d: {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
                                           for d, c in pieces.COSTS.items()}}
     try:
