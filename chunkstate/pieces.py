@@ -67,7 +67,7 @@ def programs_64(N: int, H: int, K: int, V: int) -> int:
     return N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
 
 
-def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: str = "fwd") -> float:
+def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: str) -> float:
     """The cost model's time of one call in ``direction`` ("fwd" or "bwd") whose launch has ``programs``
     programs, each walking ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one
     pass) on ``sms`` multiprocessors: latency-bound chunk steps in ``ceil(programs / sms)`` waves,
@@ -80,9 +80,10 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
     return max(c.fixed_us, 2 * _host.cdiv(chunks, pieces) * c.piece_step_us * waves + SCAN_US)
 
 
-def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64,
-                direction: str = "fwd") -> int:
-    """How many pieces to cut each sequence into on a GPU of ``sms`` multiprocessors: 1 unless one
+def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64, *,
+                direction: str) -> int:
+    """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
+    own ``COSTS``) into on a GPU of ``sms`` multiprocessors: 1 unless one
     pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
     says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
     split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
@@ -109,7 +110,8 @@ def choose(pieces, p: Problem, direction: str) -> int:
     if pieces is None:
         if INTERPRET:
             return 1
-        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT, direction)
+        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT,
+                           direction=direction)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces

@@ -211,8 +211,8 @@ def test_pieces_as_an_h200_would_choose():
     assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 8
     assert bench.case_pieces(Case(B8, "fwd")) == 1
     # a pure function: auto_pieces with this machine's SM count, an H200's without a GPU
-    assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64) == pieces.auto_pieces(
-        1, 4, 128, 128, 131072, 64, sms=tuning.sm_count())
+    assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64, "bwd") == pieces.auto_pieces(
+        1, 4, 128, 128, 131072, 64, sms=tuning.sm_count(), direction="bwd")
     if not ON_GPU:
         assert tuning.sm_count() == tuning.H200_SMS
 

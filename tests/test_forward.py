@@ -439,6 +439,8 @@ def test_gpu_pieces_on_two_streams_and_in_a_cuda_graph():
     cases = [make_case(B, T, H, K, V, torch.bfloat16, ("g",), True, None, "cuda") for _ in range(4)]
     refs = [run_kernel(c, BT, pieces=1, states_in_fp32=True) for c in cases]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
     outs = []
     for i, c in enumerate(cases):
         with torch.cuda.stream(streams[i % 2]):
@@ -454,6 +456,7 @@ def test_gpu_pieces_on_two_streams_and_in_a_cuda_graph():
               states_in_fp32=True, pieces=4)
     k, v = c["k"].clone(), c["v"].clone()
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # k, v cloned on the default stream
     with torch.cuda.stream(side):
         chunkstate.chunk_fwd_h(k, v, **kw)  # warm: tuned and compiled outside the capture
     torch.cuda.synchronize()

@@ -318,10 +318,10 @@ def geomean(xs) -> float | None:
 
 # ---------------------------------------------------------------- what a first call launches
 
-def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str = "fwd") -> int:
+def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str) -> int:
     """``pieces.auto_pieces`` as the wrapper calls it on this machine's GPU (``tuning.sm_count()``),
     and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments."""
-    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction)
+    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction=direction)
 
 
 def case_pieces(case: Case) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .. import _host, tuning
+from .. import _host, pieces, tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
 from .model import (BT, FLA_CONFIGS, HOST_PROBE, Case, Shape, case_pieces, derive, explicit_pieces, new_result,
                     tried_configs, unique_bytes)
@@ -151,7 +151,7 @@ class Libraries:
     """chunkstate and (if importable) fla-core: the entry points, autotuners and JIT functions."""
 
     def __init__(self, fla_all_configs: bool, with_fla: bool = True):
-        from .. import backward, forward, pieces
+        from .. import backward, forward
 
         mods = [forward, backward, pieces]
         self.ours = types.SimpleNamespace(chunk_fwd_h=forward.chunk_fwd_h, chunk_bwd_dh=backward.chunk_bwd_dh)
@@ -354,14 +354,12 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
             "fla": libs.fla_info if libs else None}
 
 
-def host_probe(lib, shape: Shape | None = None) -> dict:
+def host_probe(lib) -> dict:
     """``do_bench`` µs of one pass and of a call in 2 pieces per direction on a shape whose GPU work
     is a few µs (``HOST_PROBE``, also ``--calibrate``'s: host-bound calls), in this process: the fixed
     costs of the pieces model as this run pays them, beside ``pieces.COSTS`` (measured by
     ``--calibrate`` in a process of its own). Errors are recorded, not raised."""
-    from .. import pieces
-
-    s = shape or HOST_PROBE
+    s = HOST_PROBE
     out = {"shape": s.label, "model_us": {d: {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
                                           for d, c in pieces.COSTS.items()}}
     try:
