@@ -16,7 +16,7 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
 
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
 their inputs twice (1.5× the unsplit bytes) and a call costs three launches instead of one (about
-70-80 µs on an H200 whatever the size, against 30 µs for one launch: the host's time), so they pay
+90-180 µs on an H200 whatever the size, against ~30 µs for one launch: the host's time), so they pay
 only for long sequences far below one wave of programs: ``auto_pieces`` decides with a cost model
 measured per direction (``COSTS``, ``predicted_us``), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
@@ -51,12 +51,15 @@ class Cost(NamedTuple):
     one_pass_fixed_us: float  # a one-pass call however little it holds: the host's time for one launch
 
 
-# Measured on an H200 by ``python -m chunkstate.bench --calibrate`` (figures/pieces_calibration_h200.json;
-# figures/README.md, "The pieces path: where its time goes"): each constant where the others vanish,
-# with few programs (one wave), gate g, bf16, final states. The two fixed costs are the host's, and
-# hosts differ: the same calls took up to twice as long on another H200 machine's CPU.
-COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=67.4, one_pass_fixed_us=28.5),
-         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=78.5, one_pass_fixed_us=33.4)}
+# Measured on an H200. The steps by ``python -m chunkstate.bench --calibrate``
+# (figures/pieces_calibration_h200.json), each where the others vanish, with few programs (one wave),
+# gate g, bf16, final states. The two fixed costs are the host's, and hosts and processes differ: the
+# same host-bound call (``bench.HOST_PROBE``, 2 pieces or one pass) was timed five times, by that
+# calibration and by four host probes on two other H200 machines (figures/README.md, "2026-12-04, at
+# 21164aa"): 67-162 µs forward and 78-226 µs backward in pieces. The model holds the medians, so that
+# it cuts only where the pieces save more than a typical host's time for the two extra launches.
+COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0),
+         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0)}
 SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
@@ -80,6 +83,7 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
     return max(c.fixed_us, 2 * _host.cdiv(chunks, pieces) * c.piece_step_us * waves + SCAN_US)
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every call with pieces=None: a repeated call pays a lookup
 def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64, *,
                 direction: str) -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its

@@ -241,7 +241,11 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     half-tiles (32×64, 64×32) where K or V is 64, 64×64 with 4 warps and 3 stages, and 64×128 with
     2 stages for the backward at K = 64, V = 128; and 64×64 with 2 warps and 4 stages in bucket 1,
     the first sweep's winner at B8 T1024 H8 K = V = 64, which counting states by their size moved
-    there from bucket 2.
+    there from bucket 2. A third sweep, on the random benchmark's shapes where fla stayed ahead
+    (2026-12-04): with K > V in bucket 2, 128×64 in place of 64×128 (which V would cut to 64×64)
+    and 128×64 with 2 stages (B30 T4096 H6 K256 V64); with a vector gate, pointer 64×64 with 2
+    stages from bucket 2 on (gk at D64 and K256 V64), and in bucket 1 the wide TMA tile along the
+    longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68).
 
     With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
     win (the pointer configs spill there); from a full wave on they tie with the best pointer
@@ -255,11 +259,17 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
         if bucket == 0:
             return [(32, 32, 4, 4, True), (64, 64, 4, 4, True)]
         if bucket == 1:
-            return [(64, 64, 4, 4, True), (32, 64, 4, 4, True), (64, 64, 4, 3, True)]
+            out = [(64, 64, 4, 4, True), (32, 64, 4, 4, True), (64, 64, 4, 3, True)]
+            if K * V > 128 * 128:  # a state past 128×128 fills more of the GPU than its pair count says
+                out.append((64, 128, 8, 3, True) if V >= K else (128, 64, 8, 3, True))
+            return out
+        # pointer 64×64 with 2 stages: the full-grid gk winner at K or V = 64 and at K256 V64
         if bucket == 2:  # pointer 64×128 won here with gk at B8 T4096 H16
-            return [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False)]
+            return [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False),
+                    (64, 64, 4, 2, False)]
         # pointer 64×128 with 4 warps won the backward at B4 T4096 H64
-        return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False)]
+        return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False),
+                (64, 64, 4, 2, False)]
     if bucket == 0:
         out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5),
                (32, 64, 4, 5), (32, 64, 8, 4), (64, 32, 8, 3)]
@@ -269,6 +279,9 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     elif bucket == 2:
         out = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2),
                (64, 64, 4, 3), (32, 64, 4, 3)]
+        if K > V:  # the long tile along K (V would cut 64×128 to 64×64), and 128×64 with 2 stages
+            out = [(128, 64, w, s) if (BK, BV) == (64, 128) else (BK, BV, w, s) for BK, BV, w, s in out]
+            out.append((128, 64, 4, 2))
     else:
         out = [(128, 64, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 2, 3), (64, 128, 4, 2)]
     out = [(*t, False) for t in out]
