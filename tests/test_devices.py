@@ -102,6 +102,30 @@ def test_the_h200_keeps_its_measured_candidates_where_they_fit():
     assert (128, 64, 8, 3, False) in kept and (128, 64, 8, 4, False) not in kept
 
 
+def _h200_kept(K, V, bucket, tma, **gates):
+    args = dict(K=K, V=V, OCCUPANCY=bucket, TMA_OK=int(tma), BT=64, k=torch.bfloat16, **gates)
+    return {tuning.config_tuple(c) for c in tuning.prune(tuning.ALL_CONFIGS, args, device=tuning.H200)}
+
+
+def test_candidates_follow_the_longer_side_of_the_state():
+    """The third sweep's rules (figures/sweep_losses_h200.json), as the H200 prunes them for bf16:
+    K > V in bucket 2 gets 128×64 tiles (and no 64×128 cut down to 64×64 by V); with a key gate and
+    TMA, pointer 64×64 with 2 stages from bucket 2 on, and in bucket 1 the wide TMA tile along the
+    longer side only for a state past 128 × 128."""
+    kv_wide = _h200_kept(256, 64, 2, False, USE_G_GAMMA=True)
+    assert {(128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 4, 2, False)} <= kv_wide
+    assert _h200_kept(64, 256, 2, False, USE_G_GAMMA=True) == {  # V > K: the list as measured
+        (64, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 64, 2, 3, False), (64, 64, 2, 4, False),
+        (64, 64, 4, 2, False), (64, 64, 4, 3, False), (32, 64, 4, 3, False)}
+    for bucket in (2, 3, 4):
+        for K, V in ((64, 64), (256, 64), (128, 128)):
+            assert (64, 64, 4, 2, False) in _h200_kept(K, V, bucket, True, USE_GK=True), (K, V, bucket)
+    assert (64, 128, 8, 3, True) in _h200_kept(256, 256, 1, True, USE_GK=True)
+    assert (128, 64, 8, 3, True) in _h200_kept(256, 128, 1, True, USE_GK=True)
+    assert _h200_kept(128, 128, 1, True, USE_GK=True) == {(64, 64, 4, 4, True), (32, 64, 4, 4, True),
+                                                         (64, 64, 4, 3, True)}
+
+
 @pytest.mark.parametrize("target,config,dtype,expected", [
     ("sm_90", (128, 64, 8, 4, False), torch.bfloat16, (128, 64, 8, 3, False)),  # fewer stages
     ("sm_80", (64, 128, 8, 3, False), torch.bfloat16, (64, 128, 8, 2, False)),
