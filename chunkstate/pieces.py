@@ -54,10 +54,11 @@ class Cost(NamedTuple):
 # Measured on an H200. The steps by ``python -m chunkstate.bench --calibrate``
 # (figures/pieces_calibration_h200.json), each where the others vanish, with few programs (one wave),
 # gate g, bf16, final states. The two fixed costs are the host's, and hosts and processes differ: the
-# same host-bound call (``bench.HOST_PROBE``, 2 pieces or one pass) was timed five times, by that
-# calibration and by four host probes on two other H200 machines (figures/README.md, "2026-12-04, at
-# 21164aa"): 67-162 µs forward and 78-226 µs backward in pieces. The model holds the medians, so that
-# it cuts only where the pieces save more than a typical host's time for the two extra launches.
+# same host-bound call (``bench.HOST_PROBE``, 2 pieces or one pass) was timed five times on two
+# machines, by that calibration and by four host probes in two processes on another H200 machine
+# (figures/README.md, "2026-12-04, at 936fe33"): 67-162 µs forward and 78-226 µs backward in pieces.
+# The model holds the medians, so that it cuts only where the pieces save more than a typical host's
+# time for the two extra launches.
 COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0),
          "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0)}
 SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
