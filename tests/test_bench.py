@@ -768,6 +768,13 @@ def test_calibration_recovers_the_constants_it_was_made_from():
             us = 55.0 + 2 * -(-chunks // P) * piece_step
         timings[(direction, shape.label, P)] = us / 1e3
     fitted = calibrate.fit(timings)
+    gate_truth = {"none": 0.3, "g_gamma": 0.35, "gk": 0.8}  # µs a one-pass chunk step, per gate kind
+    gate_timings = {(direction, shape.label, gate): (41.0 + -(-shape.T // bench.BT) * gate_truth[gate]) / 1e3
+                    for direction, shape, gate in calibrate.gate_measurements()}
+    steps = calibrate.fit_gate_steps(timings, gate_timings)
+    for direction in truth:
+        assert steps[direction] == pytest.approx({"g": truth[direction][0], **gate_truth})
+    assert "gk 0.800 (1.95×)" in calibrate.format_gate_steps(steps)
     for direction, (step, piece_step, fixed, one_pass_fixed) in truth.items():
         assert fitted[direction]["step_us"] == pytest.approx(step)
         assert fitted[direction]["piece_step_us"] == pytest.approx(piece_step)
@@ -790,8 +797,14 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     made_from = {"fwd": (0.4, 0.6, 170.0, 60.0), "bwd": (0.5, 0.7, 210.0, 70.0)}
     calls = []
 
+    gate_step = {"none": 0.3, "g_gamma": 0.33, "gk": 0.9}
+
     def fake_call(lib, case, inp, **extra):
-        assert lib is chunkstate and case.final and case.gate == "g" and inp.shape == case.shape
+        assert lib is chunkstate and case.final and inp.shape == case.shape
+        if case.gate != "g":  # gate_measurements(): one pass at T_SHORT and T_LONG
+            assert extra["pieces"] == 1 and case.shape.T in (calibrate.T_SHORT, calibrate.T_LONG)
+            calls.append((case.direction, case.shape.label, case.gate))
+            return lambda: (30.0 + -(-case.shape.T // bench.BT) * gate_step[case.gate]) / 1e3
         step, piece_step, fixed, one_pass_fixed = made_from[case.direction]
         P, chunks = extra["pieces"], -(-case.shape.T // bench.BT)
         if case.shape.T == calibrate.T_TINY:
@@ -805,9 +818,12 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     monkeypatch.setattr(runner, "call", fake_call)
     monkeypatch.setattr(runner, "do_bench", lambda fn: {"ms": fn(), "p20": fn(), "p80": fn()})
     report = calibrate.run(types.SimpleNamespace(out=str(tmp_path)), {"fresh": False, "dir": None})
-    assert calls == [(d, s.label, P) for d, s, P in calibrate.measurements()]
+    assert calls == ([(d, s.label, P) for d, s, P in calibrate.measurements()]
+                     + [(d, s.label, gate) for d, s, gate in calibrate.gate_measurements()])
     written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
+    for direction, (step, *_) in made_from.items():
+        assert written["gate_steps_us"][direction] == pytest.approx({"g": step, **gate_step})
     assert written["in_use"]["bwd"]["fixed_us"] == pieces.COSTS["bwd"].fixed_us and written["meta"]["mode"] == "calibrate"
     for direction, (step, piece_step, fixed, one_pass_fixed) in made_from.items():
         got = written["fitted"][direction]

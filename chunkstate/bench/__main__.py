@@ -104,9 +104,10 @@ def main(argv=None) -> int:
     random_meta = None
     if mode == "calibrate":
         if args.plan:
-            from .calibrate import measurements
+            from .calibrate import gate_measurements, measurements
 
-            print("\n".join(f"{d} {s.label} pieces={P}" for d, s, P in measurements()))
+            print("\n".join([f"{d} {s.label} pieces={P}" for d, s, P in measurements()]
+                            + [f"{d} {s.label} pieces=1 {gate}" for d, s, gate in gate_measurements()]))
             return 0
     elif mode == "gla":
         if args.plan:

@@ -19,6 +19,9 @@ bf16, final states, BT = 64 (``CALIBRATION``):
   subtracted);
 - **one-pass fixed**: the same for one pass at T = ``T_TINY``: the host's time for one launch.
 
+Beside them, the one-pass step of the other gate kinds (``GATE_STEPS``, ``fit_gate_steps``): reported
+with their ratio to g's, not used by the model yet.
+
 ``fit`` is pure (tests/test_bench.py checks it on made-up timings); ``run`` needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -38,6 +41,10 @@ PIECES_FOR_FIXED = (2, 4)
 # T set per measurement: 8 and 4 programs of 64×64; the first is HOST_PROBE's at T_TINY
 CALIBRATION = (Shape(1, 0, HOST_PROBE.H, HOST_PROBE.K, HOST_PROBE.V), Shape(1, 0, 4, 64))
 OUT_NAME = "pieces_calibration_h200.json"
+# One-pass chunk steps measured beside g's for the other gate kinds, on the first calibration shape:
+# the model has one step per direction, g's, and the random runs of 2026-12-04 walked gk's at about
+# twice it (figures/README.md). Reported, not yet used by the model.
+GATE_STEPS = ("none", "g_gamma", "gk")
 
 
 def measurements() -> list[tuple[str, Shape, int]]:
@@ -52,6 +59,15 @@ def measurements() -> list[tuple[str, Shape, int]]:
             for P in (1, *PIECES_FOR_FIXED):
                 out.append((direction, Shape(s.B, T_TINY, s.H, s.K, s.V), P))
     return out
+
+
+def gate_measurements() -> list[tuple[str, Shape, str]]:
+    """Every (direction, shape, gate) of the one-pass step per gate kind: one pass at ``T_SHORT`` and
+    ``T_LONG`` on the first calibration shape for each of ``GATE_STEPS`` (g's own step is
+    ``measurements()``'s)."""
+    s = CALIBRATION[0]
+    return [(direction, Shape(s.B, T, s.H, s.K, s.V), gate)
+            for direction in ("fwd", "bwd") for T in (T_SHORT, T_LONG) for gate in GATE_STEPS]
 
 
 def _chunks(T: int) -> int:
@@ -86,6 +102,33 @@ def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float
         out[direction] = {"step_us": statistics.median(steps), "piece_step_us": statistics.median(piece_steps),
                           "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed)}
     return out
+
+
+def fit_gate_steps(timings: dict[tuple[str, str, int], float],
+                   gate_timings: dict[tuple[str, str, str], float]) -> dict[str, dict[str, float]]:
+    """The one-pass chunk step in µs per direction and gate kind on the first calibration shape:
+    g's from ``timings`` (as ``fit`` reads them), the others' from ``gate_timings``: (direction,
+    shape label, gate) → median ms, for every entry of ``gate_measurements()``."""
+    s = CALIBRATION[0]
+    short, long = (Shape(s.B, T, s.H, s.K, s.V).label for T in (T_SHORT, T_LONG))
+
+    def step(ms_short: float, ms_long: float) -> float:
+        return (ms_long - ms_short) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
+
+    out = {}
+    for direction in ("fwd", "bwd"):
+        out[direction] = {"g": step(timings[(direction, short, 1)], timings[(direction, long, 1)])}
+        for gate in GATE_STEPS:
+            out[direction][gate] = step(gate_timings[(direction, short, gate)], gate_timings[(direction, long, gate)])
+    return out
+
+
+def format_gate_steps(steps: dict[str, dict[str, float]]) -> str:
+    lines = [f"one-pass chunk step by gate, µs (× g's), {CALIBRATION[0].label}:"]
+    for direction, by_gate in steps.items():
+        g = by_gate["g"]
+        lines.append(f"  {direction}: " + ", ".join(f"{gate} {us:.3f} ({us / g:.2f}×)" for gate, us in by_gate.items()))
+    return "\n".join(lines)
 
 
 def in_use() -> dict[str, dict[str, float]]:
@@ -124,9 +167,24 @@ def run(args, cache: dict) -> dict:
         timings[(direction, shape.label, P)] = t["ms"]
         rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": P, **t})
         print(f"{direction} {shape.label:22s} pieces={P:<3d} {t['ms']:.4f} ms", flush=True)
+    gate_timings = {}
+    for direction, shape, gate in gate_measurements():
+        if inp is None or inp.shape != shape:
+            inp = None
+            torch.cuda.empty_cache()
+            inp = runner.Inputs(shape)
+        fn = runner.call(chunkstate, Case(shape, direction, gate=gate, final=True), inp, pieces=1)
+        fn()
+        t = runner.do_bench(fn)
+        gate_timings[(direction, shape.label, gate)] = t["ms"]
+        rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": 1, "gate": gate, **t})
+        print(f"{direction} {shape.label:22s} pieces=1   {gate:8s} {t['ms']:.4f} ms", flush=True)
     fitted = fit(timings)
+    gate_steps = fit_gate_steps(timings, gate_timings)
     print(format_fit(fitted))
-    report = {"meta": runner.run_info("calibrate", cache), "timings": rows, "fitted": fitted, "in_use": in_use()}
+    print(format_gate_steps(gate_steps))
+    report = {"meta": runner.run_info("calibrate", cache), "timings": rows, "fitted": fitted,
+              "gate_steps_us": gate_steps, "in_use": in_use()}
     path = Path(args.out) / OUT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
