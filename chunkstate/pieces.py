@@ -92,7 +92,8 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
     says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
     split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
-    equals, the one with the least work on the GPU, then the fewest pieces)."""
+    equals, the one with the least work on the GPU, then the fewest pieces). Answers are cached per
+    argument tuple: after changing ``COSTS``, call ``auto_pieces.cache_clear()``."""
     programs = programs_64(N, H, K, V)
     if programs == 0 or programs >= sms // 2:
         return 1

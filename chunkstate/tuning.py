@@ -263,13 +263,12 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
             if K * V > 128 * 128:  # a state past 128×128 fills more of the GPU than its pair count says
                 out.append((64, 128, 8, 3, True) if V >= K else (128, 64, 8, 3, True))
             return out
-        # pointer 64×64 with 2 stages: the full-grid gk winner at K or V = 64 and at K256 V64
         if bucket == 2:  # pointer 64×128 won here with gk at B8 T4096 H16
-            return [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False),
-                    (64, 64, 4, 2, False)]
-        # pointer 64×128 with 4 warps won the backward at B4 T4096 H64
-        return [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False),
-                (64, 64, 4, 2, False)]
+            out = [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False)]
+        else:  # pointer 64×128 with 4 warps won the backward at B4 T4096 H64
+            out = [(64, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, False)]
+        # and pointer 64×64 with 2 stages: the full-grid gk winner at K or V = 64 and at K256 V64
+        return out + [(64, 64, 4, 2, False)]
     if bucket == 0:
         out = [(32, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 5), (64, 64, 8, 4), (64, 64, 8, 5),
                (32, 64, 4, 5), (32, 64, 8, 4), (64, 32, 8, 3)]

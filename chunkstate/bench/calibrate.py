@@ -74,6 +74,12 @@ def _chunks(T: int) -> int:
     return cdiv(T, BT)
 
 
+def _step_us(ms_short: float, ms_long: float) -> float:
+    """µs per chunk step of one pass: the difference of its times at ``T_SHORT`` and ``T_LONG`` (ms)
+    over the difference in chunks (the host's time per call and the launch drop out)."""
+    return (ms_long - ms_short) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
+
+
 def _piece_steps(T: int, P: int) -> int:
     """Chunk steps a call in P pieces walks over its two passes."""
     return 2 * cdiv(_chunks(T), P)
@@ -90,8 +96,7 @@ def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float
             def ms(T, P):
                 return timings[(direction, Shape(s.B, T, s.H, s.K, s.V).label, P)]
 
-            step = (ms(T_LONG, 1) - ms(T_SHORT, 1)) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
-            steps.append(step)
+            steps.append(_step_us(ms(T_SHORT, 1), ms(T_LONG, 1)))
             one_pass_fixed.append(ms(T_TINY, 1) * 1e3)
             P = PIECES_FOR_STEP
             piece_step = ((ms(T_PIECES_LONG, P) - ms(T_PIECES_SHORT, P)) * 1e3
@@ -111,15 +116,11 @@ def fit_gate_steps(timings: dict[tuple[str, str, int], float],
     shape label, gate) → median ms, for every entry of ``gate_measurements()``."""
     s = CALIBRATION[0]
     short, long = (Shape(s.B, T, s.H, s.K, s.V).label for T in (T_SHORT, T_LONG))
-
-    def step(ms_short: float, ms_long: float) -> float:
-        return (ms_long - ms_short) * 1e3 / (_chunks(T_LONG) - _chunks(T_SHORT))
-
     out = {}
     for direction in ("fwd", "bwd"):
-        out[direction] = {"g": step(timings[(direction, short, 1)], timings[(direction, long, 1)])}
+        out[direction] = {"g": _step_us(timings[(direction, short, 1)], timings[(direction, long, 1)])}
         for gate in GATE_STEPS:
-            out[direction][gate] = step(gate_timings[(direction, short, gate)], gate_timings[(direction, long, gate)])
+            out[direction][gate] = _step_us(gate_timings[(direction, short, gate)], gate_timings[(direction, long, gate)])
     return out
 
 
@@ -147,38 +148,30 @@ def format_fit(fitted: dict[str, dict[str, float]]) -> str:
 
 
 def run(args, cache: dict) -> dict:
-    """Time every entry of ``measurements()`` on this GPU (first call, then ``runner.do_bench``),
-    fit, print, and write ``OUT_NAME`` into ``args.out``."""
+    """Time every entry of ``measurements()`` and ``gate_measurements()`` on this GPU
+    (``runner.bench_call``: a first call, then ``do_bench``), fit, print, and write ``OUT_NAME`` into
+    ``args.out``."""
     import torch
 
     import chunkstate
 
     from . import runner
 
-    timings, rows, inp = {}, [], None
-    for direction, shape, P in measurements():
+    timings, gate_timings, rows, inp = {}, {}, [], None
+    every = ([(direction, shape, P, "g") for direction, shape, P in measurements()]
+             + [(direction, shape, 1, gate) for direction, shape, gate in gate_measurements()])
+    for direction, shape, P, gate in every:
         if inp is None or inp.shape != shape:  # one shape's inputs at a time
             inp = None
             torch.cuda.empty_cache()
             inp = runner.Inputs(shape)
-        fn = runner.call(chunkstate, Case(shape, direction, final=True), inp, pieces=P)
-        fn()
-        t = runner.do_bench(fn)
-        timings[(direction, shape.label, P)] = t["ms"]
-        rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": P, **t})
-        print(f"{direction} {shape.label:22s} pieces={P:<3d} {t['ms']:.4f} ms", flush=True)
-    gate_timings = {}
-    for direction, shape, gate in gate_measurements():
-        if inp is None or inp.shape != shape:
-            inp = None
-            torch.cuda.empty_cache()
-            inp = runner.Inputs(shape)
-        fn = runner.call(chunkstate, Case(shape, direction, gate=gate, final=True), inp, pieces=1)
-        fn()
-        t = runner.do_bench(fn)
-        gate_timings[(direction, shape.label, gate)] = t["ms"]
-        rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": 1, "gate": gate, **t})
-        print(f"{direction} {shape.label:22s} pieces=1   {gate:8s} {t['ms']:.4f} ms", flush=True)
+        t = runner.bench_call(chunkstate, Case(shape, direction, gate=gate, final=True), inp, pieces=P)
+        if gate == "g":
+            timings[(direction, shape.label, P)] = t["ms"]
+        else:
+            gate_timings[(direction, shape.label, gate)] = t["ms"]
+        rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": P, "gate": gate, **t})
+        print(f"{direction} {shape.label:22s} pieces={P:<3d} {gate:8s} {t['ms']:.4f} ms", flush=True)
     fitted = fit(timings)
     gate_steps = fit_gate_steps(timings, gate_timings)
     print(format_fit(fitted))

@@ -45,6 +45,14 @@ def do_bench(fn) -> dict:
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
 
 
+def bench_call(lib, case, inp, **extra) -> dict:
+    """``do_bench`` of ``case`` through ``lib`` after one untimed call (compiles and autotunes):
+    ``call``'s function, timed as every measurement here is."""
+    fn = call(lib, case, inp, **extra)
+    fn()
+    return do_bench(fn)
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES) -> dict:
     """Read + write bytes / median time of a torch copy of ``nbytes``."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
@@ -367,9 +375,7 @@ def host_probe(lib) -> dict:
         for direction in ("fwd", "bwd"):
             out[direction] = {}
             for P in (1, 2):
-                fn = call(lib, Case(s, direction, final=True), inp, pieces=P)
-                fn()
-                out[direction][f"pieces={P}"] = do_bench(fn)["ms"] * 1e3
+                out[direction][f"pieces={P}"] = bench_call(lib, Case(s, direction, final=True), inp, pieces=P)["ms"] * 1e3
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
