@@ -64,9 +64,9 @@ def chunk_fwd_kernel_h(
     STORE_STATES: tl.constexpr = True,  # False: only ht (and decays): the pieces' first pass
     STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
-    NARROW_V: tl.constexpr = False,  # scale v by g in v's own dtype (g alone; tuning.narrow_v)
+    NARROW_V: tl.constexpr = False,  # scale v by g or g_gamma in v's own dtype (one scalar gate alone; tuning.narrow_v)
 ):
-    tl.static_assert(not NARROW_V or (USE_G and not USE_G_GAMMA and not USE_GV), "NARROW_V is for the gate g alone")
+    tl.static_assert(not NARROW_V or (USE_G != USE_G_GAMMA and not USE_GV), "NARROW_V is for one scalar gate alone")
     i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)
     bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
@@ -103,7 +103,7 @@ def chunk_fwd_kernel_h(
         if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
             _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
             b_h *= tl.math.exp2(b_gg_last)
-            b_v = decay_rows(b_v, b_gg_to_end, m_t, False)
+            b_v = decay_rows(b_v, b_gg_to_end, m_t, NARROW_V)
             b_decay_k += b_gg_last
         if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
             b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
@@ -176,9 +176,9 @@ def chunk_fwd_h(
             1 never splits. The result is the same up to rounding.
         config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
             tiles through TMA descriptors, ValueError where the inputs do not allow it; ``NARROW_V``:
-            scale v by ``g`` in v's own dtype or in fp32, the same numbers either way, by default
-            as ``tuning.narrow_v`` decides; ValueError unless ``g`` is the only gate on v) instead
-            of autotuning.
+            scale v by its scalar gate, ``g`` or ``g_gamma``, in v's own dtype or in fp32, the same
+            numbers either way, by default as ``tuning.narrow_v`` decides; ValueError unless one of
+            them is the only gate on v) instead of autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
             [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);
@@ -208,13 +208,13 @@ def chunk_fwd_h(
     if h0 is not None:
         h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=k)
     launch.check_config(config, ("USE_TMA", "NARROW_V"))
-    if config is not None and config.kwargs.get("NARROW_V") and not (g is not None and g_gamma is None and gv is None):
-        raise ValueError("config asks for NARROW_V=True (v scaled by the gate g in v's own dtype), which needs "
-                         "g given and neither g_gamma nor gv; pass NARROW_V=False or leave it out")
+    if config is not None and config.kwargs.get("NARROW_V") and not ((g is None) != (g_gamma is None) and gv is None):
+        raise ValueError("config asks for NARROW_V=True (v scaled by its scalar gate in v's own dtype), which needs "
+                         "one of g and g_gamma given, not both, and no gv; pass NARROW_V=False or leave it out")
 
     h = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=k.device) if output_final_state else None
-    P = _pieces.choose(pieces, p, "fwd")
+    P = _pieces.choose(pieces, p, "fwd", _pieces.gate_kind(g, g_gamma, gk, gv))
     if P == 1:
         _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
                       N=p.N, states=h, start=h0, end=ht)
@@ -229,7 +229,7 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
                   start, end, decay_k=None, decay_v=None) -> None:
     """One launch of the forward kernel over N sequences (``states`` None: store none, only ``end``
     and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
-    narrow = (g is not None and g_gamma is None and gv is None
+    narrow = ((g is None) != (g_gamma is None) and gv is None  # one scalar gate on v, and only it
               and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V)))
     args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,

@@ -150,11 +150,12 @@ def scalar_gate(g, bos, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
 def constant_gate(b_gamma, i_t, T, BT: tl.constexpr):
     """The constant gate γ per token over chunk i_t: G_i = γ·(i+1) [BT], Γ = γ·(valid length), and
     Γ − G_i = γ·(length − 1 − i) [BT] as one product (the difference of two large products would
-    lose it to rounding)."""
+    lose it to rounding), 0 past the chunk's valid rows (where γ·(negative) could overflow 2^{..}
+    and turn those rows' zeros into NaN in ``decay_rows``' narrow form)."""
     length = tl.minimum(tl.cast(i_t, tl.int64) * BT + BT, T) - tl.cast(i_t, tl.int64) * BT
     o_t = tl.arange(0, BT)
     return b_gamma * (o_t + 1).to(tl.float32), b_gamma * length.to(tl.float32), \
-        b_gamma * (length - 1 - o_t).to(tl.float32)
+        b_gamma * tl.maximum(length - 1 - o_t, 0).to(tl.float32)
 
 
 @triton.jit

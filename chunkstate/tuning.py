@@ -215,12 +215,13 @@ def occupancy_bucket(pairs: int, sms: int | None = None) -> int:
 
 
 def narrow_v(bucket: int) -> bool:
-    """Whether the forward scales v by the scalar gate ``g`` in v's own dtype (the product rounded
-    at once, as fla-core does, the kernel's ``NARROW_V``) rather than in fp32 until the dot. Both
-    round once, at the same place in the arithmetic, so the states are the same bits; only what
-    the compiler keeps alive and how it schedules the chunk step differ. Up to a quarter wave of
-    programs (buckets 0 and 1), where each SM runs one program whose chunk step is bound by
-    latency, the narrow form was faster on an H200; from there on the fp32 form was."""
+    """Whether the forward scales v by its scalar gate (``g`` or ``g_gamma``, one of them alone) in
+    v's own dtype (the product rounded at once, as fla-core does, the kernel's ``NARROW_V``) rather
+    than in fp32 until the dot. Both round once, at the same place in the arithmetic, so the states
+    are the same bits; only what the compiler keeps alive and how it schedules the chunk step
+    differ. Up to a quarter wave of programs (buckets 0 and 1), where each SM runs one program whose
+    chunk step is bound by latency, the narrow form was faster on an H200 (with ``g``, and with
+    ``g_gamma`` by 10-11 %: figures/README.md); around a full wave some configs were slower."""
     return bucket <= 1
 
 

@@ -115,6 +115,12 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
         H=32, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
         USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), with_candidates=True, buckets=(0, 1)),
+    FlagSet("bf16-varlen-g_gamma-narrow-v", dict(  # g_gamma alone below a quarter wave: v scaled in bf16
+        k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g_gamma=ptr("fp32")), h0=ptr("fp32"),
+        ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None, T=4096,
+        OCCUPANCY=0, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=False, USE_G_GAMMA=True, USE_GK=False,
+        USE_GV=False, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, STATE_V_FIRST=False,
+        STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), buckets=(0, 1)),
     FlagSet("bf16-dense-g-h0", dict(  # g alone from a quarter wave on: v scaled in fp32
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), h0=ptr("fp32"), ht=None,
         cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=3, TMA_OK=1, SMEM=0,

@@ -567,12 +567,15 @@ def test_narrow_v_only_below_a_quarter_wave():
     assert [tuning.narrow_v(b) for b in range(tuning.N_BUCKETS)] == [True, True, False, False, False]
 
 
-def test_narrow_and_wide_v_give_the_same_states(monkeypatch, device):
+@pytest.mark.parametrize("gate", ["g", "g_gamma"])
+def test_narrow_and_wide_v_give_the_same_states(gate, monkeypatch, device):
     """Scaled in v's dtype (``NARROW_V``: the product rounded at once, as fla does) or in fp32 until
-    the dot, v is rounded once at the same point: both give the loop's states, bit for bit the same.
-    The gate grows (g > 0, so Γ > 0) and the last chunk is ragged (T = 100): its rows past T are
-    0 · 2^Γ in the narrow form and must stay 0. Autotuned, the launcher asks ``tuning.narrow_v``
-    (here bucket 0: narrow). With a second gate on v (gv) an explicit ``NARROW_V=True`` is refused."""
+    the dot, v is rounded once at the same point: both give the loop's states, bit for bit the same,
+    for either scalar gate alone. The last chunk is ragged (T = 100): its rows past T are 0 · 2^{..}
+    in the narrow form and must stay 0 — with g growing (g > 0, so Γ > 0), and with g_gamma steep
+    (γ = −200 a token: past the end, γ times a negative count would overflow 2^{..} to inf, and
+    0 · inf is NaN). Autotuned, the launcher asks ``tuning.narrow_v`` (here bucket 0: narrow). With
+    a second gate on v (gv, or g beside g_gamma) an explicit ``NARROW_V=True`` is refused."""
     asked = []
 
     def spy(bucket, real=tuning.narrow_v):
@@ -583,23 +586,29 @@ def test_narrow_and_wide_v_give_the_same_states(monkeypatch, device):
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
     for dtype in dtypes:
         tol = GPU_TOL[dtype] if ON_GPU else TOL[dtype]
-        case = make_case(2, 100, 3, 24, 40, dtype, ("g",), True, None, device)
-        case["nat"]["g"] = 0.05 * torch.rand(2, 100, 3, device=device)  # growing by up to 5 % a token
+        case = make_case(2, 100, 3, 24, 40, dtype, (gate,), True, None, device)
+        if gate == "g":
+            case["nat"]["g"] = 0.05 * torch.rand(2, 100, 3, device=device)  # growing by up to 5 % a token
+        else:
+            case["nat"]["g_gamma"] = torch.tensor([-200.0, -0.3, -0.01], device=device)  # natural log a token
         out = {}
         for narrow in (False, True):
             cfg = triton.Config({"BK": 32, "BV": 64, "NARROW_V": narrow}, num_warps=4, num_stages=1)
             out[narrow] = check_against_loop(case, tol, tol, 64, 64, what=f"{dtype} NARROW_V={narrow}", config=cfg)
         assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1]), dtype
+        assert not out[True][0].isnan().any() and not out[True][1].isnan().any()
         asked.clear()
         auto = run_kernel(case, 64, 64)
         assert asked == [(0, True)], asked
         assert torch.equal(auto[0], out[True][0]), dtype
-    case = make_case(2, 100, 3, 24, 40, torch.float32, ("g", "gv"), False, None, device)
-    with pytest.raises(ValueError, match=r"NARROW_V=True.*neither g_gamma nor gv"):
-        run_kernel(case, 64, config=triton.Config({"BK": 32, "BV": 64, "NARROW_V": True}, num_warps=4, num_stages=1))
-    asked.clear()
-    check_against_loop(case, TOL_TF32 if ON_GPU else TOL_FP32, TOL_TF32 if ON_GPU else TOL_FP32, 64, what="g+gv")
-    assert asked == [], "with gv the launcher must not scale v narrow, whatever the bucket"
+    for gates in (("g", "gv"), ("g_gamma", "gv"), ("g", "g_gamma")):
+        case = make_case(2, 100, 3, 24, 40, torch.float32, gates, False, None, device)
+        with pytest.raises(ValueError, match=r"NARROW_V=True.*one of g and g_gamma given, not both, and no gv"):
+            run_kernel(case, 64, config=triton.Config({"BK": 32, "BV": 64, "NARROW_V": True}, num_warps=4, num_stages=1))
+        asked.clear()
+        check_against_loop(case, TOL_TF32 if ON_GPU else TOL_FP32, TOL_TF32 if ON_GPU else TOL_FP32, 64,
+                           what="+".join(gates))
+        assert asked == [], f"with {gates} the launcher must not scale v narrow, whatever the bucket"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,18 +679,19 @@ def test_gpu_every_config(cfg, all_config_case):
     check_close(ht, ht_ref, f"{tuning.config_label(cfg)} ht", TOL_BF16)
 
 
-# The candidates of the buckets where v is scaled in its own dtype (g alone), each run that way:
-# B2 H2 is bucket 0, so every one of them, pointer or TMA loads, compiles with NARROW_V.
+# The candidates of the buckets where v is scaled in its own dtype (g or g_gamma alone), each run that
+# way: B2 H2 is bucket 0, so every one of them, pointer or TMA loads, compiles with NARROW_V.
 NARROW_CONFIGS = list(dict.fromkeys(
     c for bucket in range(tuning.N_BUCKETS) if tuning.narrow_v(bucket) for tma in (0, 1)
     for c in tuning.prune(tuning.ALL_CONFIGS, {"K": 128, "V": 128, "OCCUPANCY": bucket, "TMA_OK": tma})))
 
 
 @gpu_only
+@pytest.mark.parametrize("gate", ["g", "g_gamma"])
 @pytest.mark.parametrize("cfg", NARROW_CONFIGS, ids=tuning.config_label)
-def test_gpu_every_narrow_v_config(cfg, device):
+def test_gpu_every_narrow_v_config(cfg, gate, device):
     assert tuning.narrow_v(tuning.launch_bucket(ALL_CONFIG_SHAPE["B"], ALL_CONFIG_SHAPE["H"], ALL_CONFIG_SHAPE["K"], ALL_CONFIG_SHAPE["V"]))
-    case = make_case(**ALL_CONFIG_SHAPE, dtype=torch.bfloat16, gate_names=("g",), use_h0=True, device=device)
+    case = make_case(**ALL_CONFIG_SHAPE, dtype=torch.bfloat16, gate_names=(gate,), use_h0=True, device=device)
     check_against_loop(case, TOL_BF16, TOL_BF16, 64, what=tuning.config_label(cfg), config=cfg, pieces=1)
 
 

@@ -353,8 +353,8 @@ def ours_launches(case: Case) -> list[tuple[tuple, list]]:
     P = case_pieces(case)
     sequences = s.N if P == 1 else len(pieces.plan(s.lengths, case.BS, P)[0]) - 1  # or pieces
     bucket = tuning.launch_bucket(sequences, s.H, K, V)
-    # the forward's NARROW_V is a constexpr chosen by the bucket (scalar gate g only)
-    narrow = case.direction == "fwd" and case.gate == "g" and tuning.narrow_v(bucket)
+    # the forward's NARROW_V is a constexpr chosen by the bucket (one scalar gate: g or g_gamma)
+    narrow = case.direction == "fwd" and case.gate in ("g", "g_gamma") and tuning.narrow_v(bucket)
     base = (case.direction, case.gate, case.BS, K, V, narrow)
     configs = tried_configs(K, V, bucket, case.gate)
     if P == 1:
