@@ -253,7 +253,7 @@ def chunk_bwd_dh(
 
     dh = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=q.device) if h0 is not None else None
-    P = _pieces.choose(pieces, p, "bwd")
+    P = _pieces.choose(pieces, p, "bwd", _pieces.gate_kind(g, g_gamma, gk, gv))
     if P == 1:
         _backward_pass(q, do, g, g_gamma, gk, gv, scale, p, config, cu_seqlens=p.cu_seqlens,
                        split_offsets=p.split_offsets, N=p.N, states=dh, start=dht, end=dh0)

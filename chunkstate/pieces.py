@@ -49,6 +49,8 @@ class Cost(NamedTuple):
     piece_step_us: float  # a call in pieces: one chunk step of a piece, either pass
     fixed_us: float  # a call in pieces however little it holds: the host's time for its three launches
     one_pass_fixed_us: float  # a one-pass call however little it holds: the host's time for one launch
+    overlap: float  # programs per multiprocessor whose chunk steps overlap: past sms × overlap programs,
+    # a step takes longer in proportion
 
 
 # Measured on an H200. The steps by ``python -m chunkstate.bench --calibrate``
@@ -58,11 +60,36 @@ class Cost(NamedTuple):
 # machines, by that calibration and by four host probes in two processes on another H200 machine
 # (figures/README.md, "2026-12-04, at 936fe33"): 67-162 µs forward and 78-226 µs backward in pieces.
 # The model holds the medians, so that it cuts only where the pieces save more than a typical host's
-# time for the two extra launches.
-COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0),
-         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0)}
+# time for the two extra launches. The overlap: a program waits on memory most of its step, so two
+# on one multiprocessor take little longer than one. It is fitted to the explicit piece counts timed
+# in the three random runs of 2026-12-04 (62 cases; figures/README.md, "2026-12-04, session 15"):
+# with 2 the model's count was within 3 % of the best in 59 of 62, with 1 (or less) in 55.
+# ``--calibrate``'s own measurement (32 pieces of B1 H2 K = V = 128, 256 programs) gave 0.65: there
+# a step moves 2-4 TB/s and is bound by memory bandwidth, which the model has no term for; the
+# model keeps the value that decides best on the random shapes.
+COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0, overlap=2.0),
+         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0, overlap=2.0)}
+# The chunk step depends on the gate: what a step loads and multiplies besides k and v. The steps above
+# are gate g's; ``GATE_STEPS`` scales them for the other gate kinds (``gate_kind``), the ratios of the
+# steps ``--calibrate`` measured for each kind to g's on its first shape (one pass | in pieces):
+# fwd none 0.235 | 0.244, g 0.372 | 0.331, g_gamma 0.311 | 0.307, gk 0.542 | 0.550 µs;
+# bwd none 0.344 | 0.323, g 0.398 | 0.371, g_gamma 0.326 | 0.330, gk 0.810 | 0.663 µs
+# (figures/pieces_calibration_h200.json, 2026-12-04). gk's step is 1.5-2× g's: the key gate is a
+# [BT, BK] tile loaded and exponentiated every chunk, where g is a [BT] vector.
+GATE_STEPS = {"fwd": {"none": (0.63, 0.74), "g": (1.0, 1.0), "g_gamma": (0.84, 0.93), "gk": (1.46, 1.66)},
+              "bwd": {"none": (0.87, 0.87), "g": (1.0, 1.0), "g_gamma": (0.82, 0.89), "gk": (2.04, 1.79)}}
 SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
+
+
+def gate_kind(g=None, g_gamma=None, gk=None, gv=None) -> str:
+    """The gate kind whose chunk step a call pays (``GATE_STEPS``): a vector gate (gk or gv, each a
+    [BT, BK] or [BT, BV] tile a chunk) over a scalar one (g) over a constant one (g_gamma) over none."""
+    if gk is not None or gv is not None:
+        return "gk"
+    if g is not None:
+        return "g"
+    return "none" if g_gamma is None else "g_gamma"
 
 
 def programs_64(N: int, H: int, K: int, V: int) -> int:
@@ -71,53 +98,62 @@ def programs_64(N: int, H: int, K: int, V: int) -> int:
     return N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
 
 
-def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: str) -> float:
-    """The cost model's time of one call in ``direction`` ("fwd" or "bwd") whose launch has ``programs``
-    programs, each walking ``chunks`` chunks (the longest sequence's), cut into ``pieces`` (1: one
-    pass) on ``sms`` multiprocessors: latency-bound chunk steps in ``ceil(programs / sms)`` waves,
-    and for pieces twice over (the two passes) on ``pieces`` times the programs, plus the scan;
-    never under the host's time for the call (``COSTS``)."""
+def waves(programs: int, sms: int, overlap: float) -> float:
+    """How many times one chunk step a step of ``programs`` programs takes on ``sms`` multiprocessors
+    that each overlap ``overlap`` programs' steps: 1 up to ``sms · overlap`` programs, then in
+    proportion."""
+    return max(1.0, programs / (sms * overlap))
+
+
+def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: str, gate: str = "g") -> float:
+    """The cost model's time of one call in ``direction`` ("fwd" or "bwd") with gate kind ``gate``
+    (``gate_kind``) whose launch has ``programs`` programs, each walking ``chunks`` chunks (the
+    longest sequence's), cut into ``pieces`` (1: one pass) on ``sms`` multiprocessors:
+    latency-bound chunk steps, each as long as ``waves`` says for the programs launched, and for
+    pieces twice over (the two passes) on ``pieces`` times the programs, plus the scan; never under
+    the host's time for the call (``COSTS``). Each step is g's scaled by the gate's ratios
+    (``GATE_STEPS``)."""
     c = COSTS[direction]
+    step_ratio, piece_step_ratio = GATE_STEPS[direction][gate]
     if pieces == 1:
-        return max(c.one_pass_fixed_us, chunks * c.step_us * _host.cdiv(programs, sms))
-    waves = _host.cdiv(programs * pieces, sms)
-    return max(c.fixed_us, 2 * _host.cdiv(chunks, pieces) * c.piece_step_us * waves + SCAN_US)
+        return max(c.one_pass_fixed_us, chunks * c.step_us * step_ratio * waves(programs, sms, c.overlap))
+    walk = 2 * _host.cdiv(chunks, pieces) * c.piece_step_us * piece_step_ratio
+    return max(c.fixed_us, walk * waves(programs * pieces, sms, c.overlap) + SCAN_US)
 
 
 @functools.lru_cache(maxsize=1024)  # asked on every call with pieces=None: a repeated call pays a lookup
 def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64, *,
-                direction: str) -> int:
+                direction: str, gate: str = "g") -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
-    own ``COSTS``) into on a GPU of ``sms`` multiprocessors: 1 unless one
+    own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors: 1 unless one
     pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
     says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
     split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
-    equals, the one with the least work on the GPU, then the fewest pieces). Answers are cached per
+    equals, as where the host's time floors them all, the fewest pieces: the least scan and workspace). Answers are cached per
     argument tuple: after changing ``COSTS``, call ``auto_pieces.cache_clear()``."""
     programs = programs_64(N, H, K, V)
     if programs == 0 or programs >= sms // 2:
         return 1
     chunks = _host.cdiv(max_len, BT)
-    one_pass = predicted_us(1, programs, chunks, sms, direction)
-    best, best_key = 1, None
-    for P in PIECE_COUNTS:
+    best, best_us = 1, PIECES_MARGIN * predicted_us(1, programs, chunks, sms, direction, gate)
+    for P in PIECE_COUNTS:  # ascending: of equals, the first
         if max_len < P * max(MIN_PIECE_TOKENS, BS):
             break
-        t = predicted_us(P, programs, chunks, sms, direction)
-        key = (t, 2 * _host.cdiv(chunks, P) * _host.cdiv(programs * P, sms))
-        if t < PIECES_MARGIN * one_pass and (best_key is None or key < best_key):
-            best, best_key = P, key
+        t = predicted_us(P, programs, chunks, sms, direction, gate)
+        if t < best_us:
+            best, best_us = P, t
     return best
 
 
-def choose(pieces, p: Problem, direction: str) -> int:
+def choose(pieces, p: Problem, direction: str, gate: str) -> int:
     """Validate the caller's ``pieces`` and return the count to use: ``None`` asks ``auto_pieces``
-    for this device and ``direction`` (1 under the interpreter, where nothing runs in parallel)."""
+    for this device, ``direction`` and gate kind (``gate_kind``; 1 under the interpreter, where
+    nothing runs in parallel)."""
     if pieces is None:
         if INTERPRET:
             return 1
         return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT,
-                           direction=direction)
+                           direction=direction, gate=gate)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces

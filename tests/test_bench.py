@@ -206,9 +206,9 @@ def test_estimate_counts():
 
 
 def test_pieces_as_an_h200_would_choose():
-    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) walking 2,048 chunks is cut (the cost model: 8
-    # pieces, 128 programs in one wave); B8 H16 fills the GPU.
-    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 8
+    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) walking 2,048 chunks is cut (the cost model: 16
+    # pieces, 256 programs, all overlapping, two per multiprocessor); B8 H16 fills the GPU.
+    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 16
     assert bench.case_pieces(Case(B8, "fwd")) == 1
     # a pure function: auto_pieces with this machine's SM count, an H200's without a GPU
     assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64, "bwd") == pieces.auto_pieces(
@@ -458,11 +458,11 @@ def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
     monkeypatch.setattr(runner, "_timed", fake_timed)
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     case = Case(Shape(1, 131072, 4), "fwd")
-    assert bench.case_pieces(case) == 8
+    assert bench.case_pieces(case) == 16
     r = runner.run_case(case, None, libs, copy_tbps=4.0)
     assert calls == [{}, {"pieces": 1}]
     assert r["ours_one_pass"]["x_floor"] == pytest.approx(2 * r["ours"]["x_floor"])
-    assert "8 (2.000)" in bench.format_table([r])
+    assert "16 (2.000)" in bench.format_table([r])
 
     calls.clear()
     r = runner.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
@@ -683,16 +683,41 @@ def test_random_cli_plans_and_shards(capsys):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_pieces_cost_model_by_hand(direction):
     c = pieces.COSTS[direction]
-    # one pass: 1,024 chunks of latency-bound steps, one wave; 200 programs: two waves
+    full = 132 * c.overlap  # programs whose steps all overlap on 132 multiprocessors
+    # one pass: 1,024 chunks of latency-bound steps; past sms × overlap programs, a step takes longer
     assert pieces.predicted_us(1, 32, 1024, 132, direction) == pytest.approx(1024 * c.step_us)
-    assert pieces.predicted_us(1, 200, 1024, 132, direction) == pytest.approx(2 * 1024 * c.step_us)
+    assert pieces.predicted_us(1, int(full), 1024, 132, direction) == pytest.approx(1024 * c.step_us)
+    assert pieces.predicted_us(1, int(2 * full), 1024, 132, direction) == pytest.approx(2 * 1024 * c.step_us)
     assert pieces.predicted_us(1, 32, 4, 132, direction) == c.one_pass_fixed_us  # tiny work: the host's time
     # 4 pieces of 256 chunks, 128 programs in one wave, both passes, the scan; above the fixed cost
     assert pieces.predicted_us(4, 32, 1024, 132, direction) == pytest.approx(
         max(c.fixed_us, 2 * 256 * c.piece_step_us + pieces.SCAN_US))
-    # 8 pieces: 256 programs, two waves
-    assert pieces.predicted_us(8, 32, 8192, 132, direction) == pytest.approx(2 * 1024 * c.piece_step_us * 2 + pieces.SCAN_US)
+    # 32 pieces of 256 chunks: 1,024 programs, 1024 / full times the step
+    assert pieces.predicted_us(32, 32, 8192, 132, direction) == pytest.approx(
+        2 * 256 * c.piece_step_us * 1024 / full + pieces.SCAN_US)
     assert pieces.predicted_us(2, 1, 10, 132, direction) == c.fixed_us  # tiny work: the fixed cost
+    # the gate kind scales both steps by its measured ratios to g's
+    step_ratio, piece_ratio = pieces.GATE_STEPS[direction]["gk"]
+    assert step_ratio > 1.4 and piece_ratio > 1.4  # a key gate's [BT, BK] tile a step
+    assert pieces.predicted_us(1, 32, 1024, 132, direction, "gk") == pytest.approx(1024 * c.step_us * step_ratio)
+    assert pieces.predicted_us(4, 32, 1024, 132, direction, "gk") == pytest.approx(
+        max(c.fixed_us, 2 * 256 * c.piece_step_us * piece_ratio + pieces.SCAN_US))
+    assert pieces.predicted_us(1, 32, 1024, 132, direction, "g") == pieces.predicted_us(1, 32, 1024, 132, direction)
+
+
+def test_gate_kind_is_the_costliest_gate_given():
+    x = object()
+    assert pieces.gate_kind() == "none" and pieces.gate_kind(g_gamma=x) == "g_gamma"
+    assert pieces.gate_kind(g=x, g_gamma=x) == "g" and pieces.gate_kind(g=x, gk=x) == "gk"
+    assert pieces.gate_kind(gv=x) == "gk" and pieces.gate_kind(g_gamma=x, gv=x) == "gk"
+    assert set(pieces.GATE_STEPS["fwd"]) == set(pieces.GATE_STEPS["bwd"]) == set(bench.GATES)
+
+
+def test_a_key_gate_cuts_where_a_scalar_gate_does_not():
+    """The same shape near the break-even: g's steps do not repay the pieces' fixed cost, gk's longer
+    ones do (B1 T15360 H8 K = V = 128, 32 programs, 240 chunks)."""
+    assert pieces.auto_pieces(1, 8, 128, 128, 15360, 64, 132, direction="fwd", gate="g") == 1
+    assert pieces.auto_pieces(1, 8, 128, 128, 15360, 64, 132, direction="fwd", gate="gk") > 1
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
@@ -764,26 +789,45 @@ def test_calibration_recovers_the_constants_it_was_made_from():
             us = max(fixed, 2 * -(-chunks // P) * piece_step)
         elif P == 1:
             us = 37.0 + chunks * step
+        elif P == calibrate.PIECES_FOR_OVERLAP:  # 256 programs on 100 multiprocessors that overlap 1.6 each
+            us = 61.0 + 2 * -(-chunks // P) * piece_step * 256 / (100 * 1.6)
         else:
             us = 55.0 + 2 * -(-chunks // P) * piece_step
         timings[(direction, shape.label, P)] = us / 1e3
-    fitted = calibrate.fit(timings)
-    gate_truth = {"none": 0.3, "g_gamma": 0.35, "gk": 0.8}  # µs a one-pass chunk step, per gate kind
-    gate_timings = {(direction, shape.label, gate): (41.0 + -(-shape.T // bench.BT) * gate_truth[gate]) / 1e3
-                    for direction, shape, gate in calibrate.gate_measurements()}
+    fitted = calibrate.fit(timings, sms=100)
+    assert all(f["overlap"] == pytest.approx(1.6) for f in fitted.values())
+    # a step no longer with 256 programs than with one wave: the overlap is at least 256 / sms
+    flat = dict(timings)
+    for direction, shape, P in calibrate.measurements():
+        if P == calibrate.PIECES_FOR_OVERLAP:
+            flat[(direction, shape.label, P)] = (61.0 + 2 * -(-shape.T // bench.BT // P) * truth[direction][1]) / 1e3
+    assert all(f["overlap"] == pytest.approx(2.56) for f in calibrate.fit(flat, sms=100).values())
+    assert calibrate.fit(timings)["fwd"]["step_us"] == pytest.approx(truth["fwd"][0])
+    gate_truth = {"none": (0.3, 0.28), "g_gamma": (0.35, 0.31), "gk": (0.8, 0.9)}  # µs a chunk step, per gate
+    # kind: one pass, in pieces
+    gate_timings = {}
+    for direction, shape, P, gate in calibrate.gate_measurements():
+        step, piece_step = gate_truth[gate]
+        chunks = -(-shape.T // bench.BT)
+        us = 41.0 + chunks * step if P == 1 else 57.0 + 2 * -(-chunks // P) * piece_step
+        gate_timings[(direction, shape.label, P, gate)] = us / 1e3
     steps = calibrate.fit_gate_steps(timings, gate_timings)
     for direction in truth:
-        assert steps[direction] == pytest.approx({"g": truth[direction][0], **gate_truth})
-    assert "gk 0.800 (1.95×)" in calibrate.format_gate_steps(steps)
+        want = {gate: {"step_us": a, "piece_step_us": b} for gate, (a, b) in
+                {"g": truth[direction][:2], **gate_truth}.items()}
+        assert steps[direction] == {gate: pytest.approx(c) for gate, c in want.items()}
+    assert "gk 0.800 (1.95×) | 0.900 (1.45×)" in calibrate.format_gate_steps(steps)
     for direction, (step, piece_step, fixed, one_pass_fixed) in truth.items():
         assert fitted[direction]["step_us"] == pytest.approx(step)
         assert fitted[direction]["piece_step_us"] == pytest.approx(piece_step)
         assert fitted[direction]["fixed_us"] == pytest.approx(fixed)
         assert fitted[direction]["one_pass_fixed_us"] == pytest.approx(one_pass_fixed)
     shown = calibrate.format_fit(fitted)
-    assert "0.410" in shown and "230.0" in shown and "pieces.COSTS" in shown
-    # the method needs every launch in one wave of programs (waves = 1 in the model's terms)
-    assert all(bench.programs_64(s) * P <= tuning.H200_SMS for _, s, P in calibrate.measurements())
+    assert "0.410" in shown and "230.0" in shown and "1.60" in shown and "pieces.COSTS" in shown
+    # the method needs every launch but the overlap's in one wave of programs (waves = 1 in the model's terms)
+    assert all(bench.programs_64(s) * P <= tuning.H200_SMS for _, s, P in calibrate.measurements()
+               if P != calibrate.PIECES_FOR_OVERLAP)
+    assert sum(P == calibrate.PIECES_FOR_OVERLAP for _, _, P in calibrate.measurements()) == 4
 
 
 def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path, monkeypatch):
@@ -797,18 +841,24 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     made_from = {"fwd": (0.4, 0.6, 170.0, 60.0), "bwd": (0.5, 0.7, 210.0, 70.0)}
     calls = []
 
-    gate_step = {"none": 0.3, "g_gamma": 0.33, "gk": 0.9}
+    gate_step = {"none": (0.3, 0.25), "g_gamma": (0.33, 0.3), "gk": (0.9, 0.8)}  # one pass, in pieces
 
     def fake_call(lib, case, inp, **extra):
         assert lib is chunkstate and case.final and inp.shape == case.shape
-        if case.gate != "g":  # gate_measurements(): one pass at T_SHORT and T_LONG
-            assert extra["pieces"] == 1 and case.shape.T in (calibrate.T_SHORT, calibrate.T_LONG)
-            calls.append((case.direction, case.shape.label, case.gate))
-            return lambda: (30.0 + -(-case.shape.T // bench.BT) * gate_step[case.gate]) / 1e3
+        if case.gate != "g":  # gate_measurements(): one pass at T_SHORT and T_LONG, pieces at the long T's
+            P, chunks = extra["pieces"], -(-case.shape.T // bench.BT)
+            assert (case.shape.T, P) in ((calibrate.T_SHORT, 1), (calibrate.T_LONG, 1),
+                                         (calibrate.T_PIECES_SHORT, calibrate.PIECES_FOR_STEP),
+                                         (calibrate.T_PIECES_LONG, calibrate.PIECES_FOR_STEP))
+            calls.append((case.direction, case.shape.label, P, case.gate))
+            step, piece_step = gate_step[case.gate]
+            return lambda: (30.0 + (chunks * step if P == 1 else 2 * -(-chunks // P) * piece_step)) / 1e3
         step, piece_step, fixed, one_pass_fixed = made_from[case.direction]
         P, chunks = extra["pieces"], -(-case.shape.T // bench.BT)
         if case.shape.T == calibrate.T_TINY:
             us = max(one_pass_fixed, chunks * step) if P == 1 else max(fixed, 2 * -(-chunks // P) * piece_step)
+        elif P == calibrate.PIECES_FOR_OVERLAP:  # the stand-in GPU overlaps programs without limit
+            us = 30.0 + 2 * -(-chunks // P) * piece_step
         else:
             us = 30.0 + (chunks * step if P == 1 else 2 * -(-chunks // P) * piece_step)
         calls.append((case.direction, case.shape.label, P))
@@ -819,11 +869,14 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     monkeypatch.setattr(runner, "do_bench", lambda fn: {"ms": fn(), "p20": fn(), "p80": fn()})
     report = calibrate.run(types.SimpleNamespace(out=str(tmp_path)), {"fresh": False, "dir": None})
     assert calls == ([(d, s.label, P) for d, s, P in calibrate.measurements()]
-                     + [(d, s.label, gate) for d, s, gate in calibrate.gate_measurements()])
+                     + [(d, s.label, P, gate) for d, s, P, gate in calibrate.gate_measurements()])
     written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
-    for direction, (step, *_) in made_from.items():
-        assert written["gate_steps_us"][direction] == pytest.approx({"g": step, **gate_step})
+    assert all(f["overlap"] == pytest.approx(256 / tuning.H200_SMS) for f in written["fitted"].values())
+    for direction, (step, piece_step, *_) in made_from.items():
+        want = {gate: {"step_us": a, "piece_step_us": b} for gate, (a, b) in
+                {"g": (step, piece_step), **gate_step}.items()}
+        assert written["gate_steps_us"][direction] == {gate: pytest.approx(c) for gate, c in want.items()}
     assert written["in_use"]["bwd"]["fixed_us"] == pieces.COSTS["bwd"].fixed_us and written["meta"]["mode"] == "calibrate"
     for direction, (step, piece_step, fixed, one_pass_fixed) in made_from.items():
         got = written["fitted"][direction]

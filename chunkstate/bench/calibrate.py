@@ -17,10 +17,14 @@ bf16, final states, BT = 64 (``CALIBRATION``):
   piece, under 25 µs) is far less than the host's time for its three launches: the floor the model's
   max() puts under every call in pieces (its GPU work runs while the host launches, so it is not
   subtracted);
-- **one-pass fixed**: the same for one pass at T = ``T_TINY``: the host's time for one launch.
+- **one-pass fixed**: the same for one pass at T = ``T_TINY``: the host's time for one launch;
+- **overlap**: on the first shape, the piece step again with ``PIECES_FOR_OVERLAP`` pieces, about two
+  programs per multiprocessor: ``waves`` = (programs / sms) / overlap, so the overlap is the programs
+  per multiprocessor over how much longer the step got (at most the programs per multiprocessor
+  launched: a step no longer than with one wave says the overlap is at least that).
 
-Beside them, the one-pass step of the other gate kinds (``GATE_STEPS``, ``fit_gate_steps``): reported
-with their ratio to g's, not used by the model yet.
+Beside them, the two steps of the other gate kinds (``GATE_KINDS``, ``fit_gate_steps``), with their
+ratios to g's: the model's ``pieces.GATE_STEPS``.
 
 ``fit`` is pure (tests/test_bench.py checks it on made-up timings); ``run`` needs a CUDA GPU.
 """
@@ -32,25 +36,27 @@ from pathlib import Path
 
 from .. import pieces as _pieces
 from .._host import cdiv
+from ..tuning import H200_SMS
 from .model import BT, HOST_PROBE, Case, Shape
 
 T_SHORT, T_LONG, T_TINY = 32768, 131072, HOST_PROBE.T
 T_PIECES_SHORT, T_PIECES_LONG = 262144, 524288
 PIECES_FOR_STEP = 4
 PIECES_FOR_FIXED = (2, 4)
+PIECES_FOR_OVERLAP = 32  # 256 programs on the first shape: about two per multiprocessor of an H200
 # T set per measurement: 8 and 4 programs of 64×64; the first is HOST_PROBE's at T_TINY
 CALIBRATION = (Shape(1, 0, HOST_PROBE.H, HOST_PROBE.K, HOST_PROBE.V), Shape(1, 0, 4, 64))
 OUT_NAME = "pieces_calibration_h200.json"
-# One-pass chunk steps measured beside g's for the other gate kinds, on the first calibration shape:
-# the model has one step per direction, g's, and the random runs of 2026-12-04 walked gk's at about
-# twice it (figures/README.md). Reported, not yet used by the model.
-GATE_STEPS = ("none", "g_gamma", "gk")
+# The chunk steps measured beside g's for the other gate kinds, on the first calibration shape: the
+# model scales g's by their ratios (pieces.GATE_STEPS).
+GATE_KINDS = ("none", "g_gamma", "gk")
 
 
 def measurements() -> list[tuple[str, Shape, int]]:
     """Every (direction, shape, pieces) to time: per direction and calibration shape, one pass at
     ``T_SHORT`` and ``T_LONG``, ``PIECES_FOR_STEP`` pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG``,
-    one pass and each of ``PIECES_FOR_FIXED`` at ``T_TINY``."""
+    one pass and each of ``PIECES_FOR_FIXED`` at ``T_TINY``; on the first shape, ``PIECES_FOR_OVERLAP``
+    pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG`` (the only launches past one wave)."""
     out = []
     for direction in ("fwd", "bwd"):
         for s in CALIBRATION:
@@ -58,16 +64,20 @@ def measurements() -> list[tuple[str, Shape, int]]:
                 out.append((direction, Shape(s.B, T, s.H, s.K, s.V), P))
             for P in (1, *PIECES_FOR_FIXED):
                 out.append((direction, Shape(s.B, T_TINY, s.H, s.K, s.V), P))
+        s = CALIBRATION[0]
+        out += [(direction, Shape(s.B, T, s.H, s.K, s.V), PIECES_FOR_OVERLAP) for T in (T_PIECES_SHORT, T_PIECES_LONG)]
     return out
 
 
-def gate_measurements() -> list[tuple[str, Shape, str]]:
-    """Every (direction, shape, gate) of the one-pass step per gate kind: one pass at ``T_SHORT`` and
-    ``T_LONG`` on the first calibration shape for each of ``GATE_STEPS`` (g's own step is
-    ``measurements()``'s)."""
+def gate_measurements() -> list[tuple[str, Shape, int, str]]:
+    """Every (direction, shape, pieces, gate) of the two steps per gate kind, on the first calibration
+    shape for each of ``GATE_KINDS``: one pass at ``T_SHORT`` and ``T_LONG``, ``PIECES_FOR_STEP``
+    pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG`` (g's own are ``measurements()``'s)."""
     s = CALIBRATION[0]
-    return [(direction, Shape(s.B, T, s.H, s.K, s.V), gate)
-            for direction in ("fwd", "bwd") for T in (T_SHORT, T_LONG) for gate in GATE_STEPS]
+    return [(direction, Shape(s.B, T, s.H, s.K, s.V), P, gate)
+            for direction in ("fwd", "bwd")
+            for T, P in ((T_SHORT, 1), (T_LONG, 1), (T_PIECES_SHORT, PIECES_FOR_STEP), (T_PIECES_LONG, PIECES_FOR_STEP))
+            for gate in GATE_KINDS]
 
 
 def _chunks(T: int) -> int:
@@ -85,9 +95,16 @@ def _piece_steps(T: int, P: int) -> int:
     return 2 * cdiv(_chunks(T), P)
 
 
-def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float]]:
-    """The model's constants per direction, in µs, from ``timings``: (direction, shape label, pieces)
-    → median ms, for every entry of ``measurements()``. Each constant is the median over the
+def _piece_step_us(ms_short: float, ms_long: float, P: int = PIECES_FOR_STEP) -> float:
+    """µs per chunk step of a call in P pieces: the difference of its times at ``T_PIECES_SHORT`` and
+    ``T_PIECES_LONG`` (ms) over the difference in chunk steps of both passes."""
+    return (ms_long - ms_short) * 1e3 / (_piece_steps(T_PIECES_LONG, P) - _piece_steps(T_PIECES_SHORT, P))
+
+
+def fit(timings: dict[tuple[str, str, int], float], sms: int = H200_SMS) -> dict[str, dict[str, float]]:
+    """The model's constants per direction, in µs (the overlap in programs per multiprocessor), from
+    ``timings``: (direction, shape label, pieces) → median ms, for every entry of ``measurements()``,
+    on a GPU of ``sms`` multiprocessors. Each constant but the overlap is the median over the
     calibration shapes."""
     out = {}
     for direction in ("fwd", "bwd"):
@@ -98,37 +115,47 @@ def fit(timings: dict[tuple[str, str, int], float]) -> dict[str, dict[str, float
 
             steps.append(_step_us(ms(T_SHORT, 1), ms(T_LONG, 1)))
             one_pass_fixed.append(ms(T_TINY, 1) * 1e3)
-            P = PIECES_FOR_STEP
-            piece_step = ((ms(T_PIECES_LONG, P) - ms(T_PIECES_SHORT, P)) * 1e3
-                          / (_piece_steps(T_PIECES_LONG, P) - _piece_steps(T_PIECES_SHORT, P)))
-            piece_steps.append(piece_step)
+            piece_steps.append(_piece_step_us(ms(T_PIECES_SHORT, PIECES_FOR_STEP), ms(T_PIECES_LONG, PIECES_FOR_STEP)))
             for P in PIECES_FOR_FIXED:
                 fixed.append(ms(T_TINY, P) * 1e3)
+        s, P = CALIBRATION[0], PIECES_FOR_OVERLAP
+        wide_step = _piece_step_us(*(timings[(direction, Shape(s.B, T, s.H, s.K, s.V).label, P)]
+                                     for T in (T_PIECES_SHORT, T_PIECES_LONG)), P)
+        per_sm = _pieces.programs_64(s.N, s.H, s.K, s.V) * P / sms
         out[direction] = {"step_us": statistics.median(steps), "piece_step_us": statistics.median(piece_steps),
-                          "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed)}
+                          "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed),
+                          "overlap": per_sm / max(1.0, wide_step / piece_steps[0])}
     return out
 
 
 def fit_gate_steps(timings: dict[tuple[str, str, int], float],
-                   gate_timings: dict[tuple[str, str, str], float]) -> dict[str, dict[str, float]]:
-    """The one-pass chunk step in µs per direction and gate kind on the first calibration shape:
-    g's from ``timings`` (as ``fit`` reads them), the others' from ``gate_timings``: (direction,
-    shape label, gate) → median ms, for every entry of ``gate_measurements()``."""
+                   gate_timings: dict[tuple[str, str, int, str], float]) -> dict[str, dict[str, dict[str, float]]]:
+    """The two chunk steps in µs (``step_us``: one pass, ``piece_step_us``: in pieces) per direction
+    and gate kind on the first calibration shape: g's from ``timings`` (as ``fit`` reads them), the
+    others' from ``gate_timings``: (direction, shape label, pieces, gate) → median ms, for every entry
+    of ``gate_measurements()``."""
     s = CALIBRATION[0]
-    short, long = (Shape(s.B, T, s.H, s.K, s.V).label for T in (T_SHORT, T_LONG))
+    short, long, p_short, p_long = (Shape(s.B, T, s.H, s.K, s.V).label
+                                    for T in (T_SHORT, T_LONG, T_PIECES_SHORT, T_PIECES_LONG))
+    P = PIECES_FOR_STEP
     out = {}
     for direction in ("fwd", "bwd"):
-        out[direction] = {"g": _step_us(timings[(direction, short, 1)], timings[(direction, long, 1)])}
-        for gate in GATE_STEPS:
-            out[direction][gate] = _step_us(gate_timings[(direction, short, gate)], gate_timings[(direction, long, gate)])
+        def ms(label, pieces, gate):
+            return timings[(direction, label, pieces)] if gate == "g" else gate_timings[(direction, label, pieces, gate)]
+
+        out[direction] = {gate: {"step_us": _step_us(ms(short, 1, gate), ms(long, 1, gate)),
+                                 "piece_step_us": _piece_step_us(ms(p_short, P, gate), ms(p_long, P, gate))}
+                          for gate in ("g", *GATE_KINDS)}
     return out
 
 
-def format_gate_steps(steps: dict[str, dict[str, float]]) -> str:
-    lines = [f"one-pass chunk step by gate, µs (× g's), {CALIBRATION[0].label}:"]
+def format_gate_steps(steps: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = [f"chunk steps by gate, µs (× g's), {CALIBRATION[0].label}: one pass | in pieces"]
     for direction, by_gate in steps.items():
         g = by_gate["g"]
-        lines.append(f"  {direction}: " + ", ".join(f"{gate} {us:.3f} ({us / g:.2f}×)" for gate, us in by_gate.items()))
+        lines.append(f"  {direction}: " + ", ".join(
+            f"{gate} {c['step_us']:.3f} ({c['step_us'] / g['step_us']:.2f}×) | {c['piece_step_us']:.3f} "
+            f"({c['piece_step_us'] / g['piece_step_us']:.2f}×)" for gate, c in by_gate.items()))
     return "\n".join(lines)
 
 
@@ -140,10 +167,11 @@ def in_use() -> dict[str, dict[str, float]]:
 def format_fit(fitted: dict[str, dict[str, float]]) -> str:
     rows = [(f"{direction} measured", c) for direction, c in fitted.items()]
     rows += [(f"{direction} in use", c) for direction, c in in_use().items()]
-    lines = [f"{'':12s} {'step µs':>10s} {'piece step µs':>14s} {'fixed µs':>10s} {'one-pass fixed µs':>18s}"]
+    lines = [f"{'':12s} {'step µs':>10s} {'piece step µs':>14s} {'fixed µs':>10s} {'one-pass fixed µs':>18s} "
+             f"{'overlap':>8s}"]
     for name, c in rows:
         lines.append(f"{name:12s} {c['step_us']:10.3f} {c['piece_step_us']:14.3f} {c['fixed_us']:10.1f} "
-                     f"{c['one_pass_fixed_us']:18.1f}")
+                     f"{c['one_pass_fixed_us']:18.1f} {c['overlap']:8.2f}")
     return "\n".join(lines) + "\n(in use: chunkstate.pieces.COSTS)"
 
 
@@ -154,12 +182,12 @@ def run(args, cache: dict) -> dict:
     import torch
 
     import chunkstate
+    from chunkstate import tuning
 
     from . import runner
 
     timings, gate_timings, rows, inp = {}, {}, [], None
-    every = ([(direction, shape, P, "g") for direction, shape, P in measurements()]
-             + [(direction, shape, 1, gate) for direction, shape, gate in gate_measurements()])
+    every = [(direction, shape, P, "g") for direction, shape, P in measurements()] + gate_measurements()
     for direction, shape, P, gate in every:
         if inp is None or inp.shape != shape:  # one shape's inputs at a time
             inp = None
@@ -169,10 +197,10 @@ def run(args, cache: dict) -> dict:
         if gate == "g":
             timings[(direction, shape.label, P)] = t["ms"]
         else:
-            gate_timings[(direction, shape.label, gate)] = t["ms"]
+            gate_timings[(direction, shape.label, P, gate)] = t["ms"]
         rows.append({"direction": direction, "shape": shape.label, "T": shape.T, "pieces": P, "gate": gate, **t})
         print(f"{direction} {shape.label:22s} pieces={P:<3d} {gate:8s} {t['ms']:.4f} ms", flush=True)
-    fitted = fit(timings)
+    fitted = fit(timings, tuning.sm_count())
     gate_steps = fit_gate_steps(timings, gate_timings)
     print(format_fit(fitted))
     print(format_gate_steps(gate_steps))

@@ -318,16 +318,17 @@ def geomean(xs) -> float | None:
 
 # ---------------------------------------------------------------- what a first call launches
 
-def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str) -> int:
+def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str, gate: str = "g") -> int:
     """``pieces.auto_pieces`` as the wrapper calls it on this machine's GPU (``tuning.sm_count()``),
-    and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments."""
-    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction=direction)
+    and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments
+    (``gate``: the case's gate, a ``pieces.gate_kind``)."""
+    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction=direction, gate=gate)
 
 
 def case_pieces(case: Case) -> int:
     """The pieces chunkstate's wrapper chooses for ``case`` (``predicted_pieces``)."""
     s = case.shape
-    return predicted_pieces(s.N, s.H, s.K, s.V, max(s.lengths, default=0), case.BS, case.direction)
+    return predicted_pieces(s.N, s.H, s.K, s.V, max(s.lengths, default=0), case.BS, case.direction, case.gate)
 
 
 def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:

@@ -233,7 +233,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
     launch.check_config(config, ("USE_TMA", "NARROW_V") if direction == "fwd" else ("USE_TMA",))
     config = tuning.INTERPRETER_CONFIG if config is None else config
     BK, BV = config.kwargs["BK"], config.kwargs["BV"]
-    P = _pieces.choose(pieces, p, direction)
+    P = _pieces.choose(pieces, p, direction, _pieces.gate_kind(**{name: True for name in gates}))
 
     seq_offsets = [0]
     for L in p.lengths:
