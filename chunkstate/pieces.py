@@ -125,12 +125,13 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
 def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64, *,
                 direction: str, gate: str = "g") -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
-    own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors: 1 unless one
-    pass has under half a wave of programs (64×64 tiles) and the cost model (``predicted_us``)
-    says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS`` tokens and one
-    split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds fastest (of
-    equals, as where the host's time floors them all, the fewest pieces: the least scan and workspace). Answers are cached per
-    argument tuple: after changing ``COSTS``, call ``auto_pieces.cache_clear()``."""
+    own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors:
+    1 unless one pass has under half a wave of programs (64×64 tiles) and the cost model
+    (``predicted_us``) says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS``
+    tokens and one split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds
+    fastest (of equals, as where the host's time floors them all, the fewest pieces: the least scan
+    and workspace). Answers are cached per argument tuple: after changing ``COSTS`` or
+    ``GATE_STEPS``, call ``auto_pieces.cache_clear()``."""
     programs = programs_64(N, H, K, V)
     if programs == 0 or programs >= sms // 2:
         return 1

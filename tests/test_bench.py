@@ -225,6 +225,12 @@ def test_plan_needs_no_gpu(capsys):
     assert "configs" in capsys.readouterr().out
     assert cli.main(["--plan", "--gla"]) == 0
     assert "chunk_gla" in capsys.readouterr().out
+    from chunkstate.bench import calibrate
+
+    assert cli.main(["--plan", "--calibrate"]) == 0  # one line per measurement, in the order run times them
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{d} {s.label} pieces={P} {gate}" for d, s, P, gate in calibrate.every_measurement()]
+    assert "bwd B1 T524288 H2 pieces=4 gk" in lines and "fwd B1 T262144 H2 pieces=32 g" in lines
 
 
 def test_output_goes_where_the_caller_runs_it(capsys):
@@ -870,6 +876,8 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
     report = calibrate.run(types.SimpleNamespace(out=str(tmp_path)), {"fresh": False, "dir": None})
     assert calls == ([(d, s.label, P) for d, s, P in calibrate.measurements()]
                      + [(d, s.label, P, gate) for d, s, P, gate in calibrate.gate_measurements()])
+    assert [(d, s.label, P, gate) for d, s, P, gate in calibrate.every_measurement()] == [
+        (*c, "g") if len(c) == 3 else c for c in calls]
     written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
     assert all(f["overlap"] == pytest.approx(256 / tuning.H200_SMS) for f in written["fitted"].values())

@@ -457,7 +457,9 @@ def test_gpu_long_sequence_65536(names):
     k, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
     h0 = torch.randn(B, H, K, V, device=DEVICE)
     h_ref, ht_ref = reference.chunked_states(k, v, **nat, h0=h0, chunk_size=BT)
-    assert pieces.auto_pieces(B, H, K, V, T, BT, tuning.sm_count(), direction="fwd") > 1, "the automatic choice must use pieces here"
+    gate = pieces.gate_kind(**kg)  # the gate kind the wrapper's automatic choice weighs
+    assert pieces.auto_pieces(B, H, K, V, T, BT, tuning.sm_count(), direction="fwd", gate=gate) > 1, \
+        "the automatic choice must use pieces here"
     runs = {}
     for P in (1, None, 7):
         h, ht = forward(k, v, kg, h0, BT=BT, pieces=P)

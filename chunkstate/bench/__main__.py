@@ -104,10 +104,9 @@ def main(argv=None) -> int:
     random_meta = None
     if mode == "calibrate":
         if args.plan:
-            from .calibrate import gate_measurements, measurements
+            from .calibrate import every_measurement
 
-            print("\n".join([f"{d} {s.label} pieces={P}" for d, s, P in measurements()]
-                            + [f"{d} {s.label} pieces=1 {gate}" for d, s, gate in gate_measurements()]))
+            print("\n".join(f"{d} {s.label} pieces={P} {gate}" for d, s, P, gate in every_measurement()))
             return 0
     elif mode == "gla":
         if args.plan:

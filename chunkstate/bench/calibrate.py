@@ -50,6 +50,8 @@ OUT_NAME = "pieces_calibration_h200.json"
 # The chunk steps measured beside g's for the other gate kinds, on the first calibration shape: the
 # model scales g's by their ratios (pieces.GATE_STEPS).
 GATE_KINDS = ("none", "g_gamma", "gk")
+# (T, pieces) of the two steps: one pass at T_SHORT and T_LONG, PIECES_FOR_STEP pieces at the longer T's
+STEP_POINTS = ((T_SHORT, 1), (T_LONG, 1), (T_PIECES_SHORT, PIECES_FOR_STEP), (T_PIECES_LONG, PIECES_FOR_STEP))
 
 
 def measurements() -> list[tuple[str, Shape, int]]:
@@ -60,7 +62,7 @@ def measurements() -> list[tuple[str, Shape, int]]:
     out = []
     for direction in ("fwd", "bwd"):
         for s in CALIBRATION:
-            for T, P in ((T_SHORT, 1), (T_LONG, 1), (T_PIECES_SHORT, PIECES_FOR_STEP), (T_PIECES_LONG, PIECES_FOR_STEP)):
+            for T, P in STEP_POINTS:
                 out.append((direction, Shape(s.B, T, s.H, s.K, s.V), P))
             for P in (1, *PIECES_FOR_FIXED):
                 out.append((direction, Shape(s.B, T_TINY, s.H, s.K, s.V), P))
@@ -75,9 +77,13 @@ def gate_measurements() -> list[tuple[str, Shape, int, str]]:
     pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG`` (g's own are ``measurements()``'s)."""
     s = CALIBRATION[0]
     return [(direction, Shape(s.B, T, s.H, s.K, s.V), P, gate)
-            for direction in ("fwd", "bwd")
-            for T, P in ((T_SHORT, 1), (T_LONG, 1), (T_PIECES_SHORT, PIECES_FOR_STEP), (T_PIECES_LONG, PIECES_FOR_STEP))
-            for gate in GATE_KINDS]
+            for direction in ("fwd", "bwd") for T, P in STEP_POINTS for gate in GATE_KINDS]
+
+
+def every_measurement() -> list[tuple[str, Shape, int, str]]:
+    """What ``run`` times, in its order, as (direction, shape, pieces, gate): ``measurements()`` with
+    gate g, then ``gate_measurements()``."""
+    return [(direction, shape, P, "g") for direction, shape, P in measurements()] + gate_measurements()
 
 
 def _chunks(T: int) -> int:
@@ -122,9 +128,10 @@ def fit(timings: dict[tuple[str, str, int], float], sms: int = H200_SMS) -> dict
         wide_step = _piece_step_us(*(timings[(direction, Shape(s.B, T, s.H, s.K, s.V).label, P)]
                                      for T in (T_PIECES_SHORT, T_PIECES_LONG)), P)
         per_sm = _pieces.programs_64(s.N, s.H, s.K, s.V) * P / sms
+        one_wave_step = piece_steps[0]  # the same shape's piece step at PIECES_FOR_STEP: one wave
         out[direction] = {"step_us": statistics.median(steps), "piece_step_us": statistics.median(piece_steps),
                           "fixed_us": statistics.median(fixed), "one_pass_fixed_us": statistics.median(one_pass_fixed),
-                          "overlap": per_sm / max(1.0, wide_step / piece_steps[0])}
+                          "overlap": per_sm / max(1.0, wide_step / one_wave_step)}
     return out
 
 
@@ -176,7 +183,7 @@ def format_fit(fitted: dict[str, dict[str, float]]) -> str:
 
 
 def run(args, cache: dict) -> dict:
-    """Time every entry of ``measurements()`` and ``gate_measurements()`` on this GPU
+    """Time every entry of ``every_measurement()`` on this GPU
     (``runner.bench_call``: a first call, then ``do_bench``), fit, print, and write ``OUT_NAME`` into
     ``args.out``."""
     import torch
@@ -187,8 +194,7 @@ def run(args, cache: dict) -> dict:
     from . import runner
 
     timings, gate_timings, rows, inp = {}, {}, [], None
-    every = [(direction, shape, P, "g") for direction, shape, P in measurements()] + gate_measurements()
-    for direction, shape, P, gate in every:
+    for direction, shape, P, gate in every_measurement():
         if inp is None or inp.shape != shape:  # one shape's inputs at a time
             inp = None
             torch.cuda.empty_cache()
