@@ -246,7 +246,9 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     (2026-12-04): with K > V in bucket 2, 128×64 in place of 64×128 (which V would cut to 64×64)
     and 128×64 with 2 stages (B30 T4096 H6 K256 V64); with a vector gate, pointer 64×64 with 2
     stages from bucket 2 on (gk at D64 and K256 V64), and in bucket 1 the wide TMA tile along the
-    longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68).
+    longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68). And
+    in bucket 2, 64×64 with 4 warps and 4 stages, fla's winner where its constant-gate forward beat
+    chunkstate's 3 stages on the random shapes of 2026-12-04 (B2 T65536 H20: 0.953 ms against 1.013).
 
     With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
     win (the pointer configs spill there); from a full wave on they tie with the best pointer
@@ -278,7 +280,7 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
                (64, 64, 4, 3), (64, 32, 8, 4), (64, 64, 2, 4)]
     elif bucket == 2:
         out = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 2, 3), (64, 64, 2, 4), (64, 64, 4, 2),
-               (64, 64, 4, 3), (32, 64, 4, 3)]
+               (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 4)]
         if K > V:  # the long tile along K (V would cut 64×128 to 64×64), and 128×64 with 2 stages
             out = [(128, 64, w, s) if (BK, BV) == (64, 128) else (BK, BV, w, s) for BK, BV, w, s in out]
             out.append((128, 64, 4, 2))
