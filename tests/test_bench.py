@@ -351,7 +351,7 @@ def cpu_run(monkeypatch):
     import torch
 
     monkeypatch.setattr(runner, "Inputs", functools.partial(runner.Inputs, device="cpu", dtype=torch.float32))
-    monkeypatch.setattr(runner, "do_bench", lambda fn: (fn(), {"ms": 1.0, "p20": 0.9, "p80": 1.1})[1])
+    monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: (fn(), {"ms": 1.0, "p20": 0.9, "p80": 1.1})[1])
     monkeypatch.setattr(runner, "copy_bandwidth", lambda: {"bytes": 1 << 30, "ms": 0.5, "tbps": 4.0})
     monkeypatch.setattr(runner, "Libraries", _TwinLibraries)
 
@@ -457,11 +457,12 @@ def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
     the table shows both, so each run says what the pieces bought or cost."""
     calls = []
 
-    def fake_timed(lib, jit, case, inp, **extra):
+    def fake_first(lib, jit, case, inp, **extra):
         calls.append(extra)
-        return {"first_call_s": 1.0, "compiled": 0, "ms": 2.0 if extra else 1.0}, None
+        return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 2.0 if extra else 1.0
 
-    monkeypatch.setattr(runner, "_timed", fake_timed)
+    monkeypatch.setattr(runner, "_first", fake_first)
+    monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     case = Case(Shape(1, 131072, 4), "fwd")
     assert bench.case_pieces(case) == 16
@@ -608,16 +609,68 @@ def test_explicit_pieces_only_below_two_waves():
 def test_run_case_times_the_explicit_piece_counts(monkeypatch):
     calls = []
 
-    def fake_timed(lib, jit, case, inp, **extra):
+    def fake_first(lib, jit, case, inp, **extra):
         calls.append(extra)
-        return {"first_call_s": 1.0, "compiled": 0, "ms": {None: 1.1, 1: 1.0, 2: 1.5}[extra.get("pieces")]}, None
+        ms = {None: 1.1, 1: 1.0, 2: 1.5}[extra.get("pieces")]
+        return {"first_call_s": 1.0, "compiled": 0}, None, lambda: ms
 
-    monkeypatch.setattr(runner, "_timed", fake_timed)
+    monkeypatch.setattr(runner, "_first", fake_first)
+    monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     r = runner.run_case(Case(Shape(1, 8192, 2), "fwd"), None, libs, copy_tbps=4.0, explore=[1, 2])
     assert calls == [{}, {"pieces": 1}, {"pieces": 2}]
     assert r["pieces_ms"] == {"1": 1.0, "2": 1.5} and r["ours_one_pass"]["ms"] == 1.0
     assert r["auto_over_best"] == pytest.approx(1.1)  # its own choice 10 % slower than pieces=1
+
+
+def test_a_cases_calls_are_timed_in_interleaved_rounds(monkeypatch):
+    """Every call is timed once per round, the order rotated by one each round, with the round's
+    do_bench settings; each reports the median over its rounds (ms, p20, p80) and keeps the
+    rounds' medians. A call that raises in a round is timed no more and reports the error."""
+    order, seen_settings = [], set()
+    times = {"a": iter([5.0, 1.0, 3.0, 2.0, 4.0]), "b": iter([2.0, 2.0, 9.0, 2.0, 2.0]), "c": iter([1.0])}
+
+    def fake_bench(fn, warmup, rep):
+        seen_settings.add((warmup, rep))
+        name = fn()
+        order.append(name)
+        if name == "c" and order.count("c") == 2:
+            raise RuntimeError("out of memory")
+        ms = next(times[name])
+        return {"ms": ms, "p20": ms - 0.5, "p80": ms + 0.5}
+
+    monkeypatch.setattr(runner, "do_bench", fake_bench)
+    got = runner.interleaved({n: (lambda n=n: n) for n in "abc"}, rounds=5)
+    assert seen_settings == {(runner.ROUND_WARMUP_MS, runner.ROUND_REP_MS)}
+    # rounds: a b c | b c(raises) a | a b (c skipped) | a b | b a
+    assert order == ["a", "b", "c", "b", "c", "a", "a", "b", "a", "b", "b", "a"]
+    assert got["a"] == {"ms": 3.0, "p20": 2.5, "p80": 3.5, "rounds": [5.0, 1.0, 3.0, 2.0, 4.0]}
+    assert got["b"]["ms"] == 2.0 and got["b"]["rounds"] == [2.0, 2.0, 9.0, 2.0, 2.0]
+    assert got["c"] == {"error": "RuntimeError: out of memory"}
+    assert runner.ROUNDS * (runner.ROUND_WARMUP_MS + runner.ROUND_REP_MS) <= runner.WARMUP_MS + runner.REP_MS
+
+
+def test_run_case_times_both_libraries_in_the_same_rounds(monkeypatch):
+    """chunkstate's and fla's calls (and explicit piece counts) go through one ``interleaved``
+    call, after every first call: neither library is timed in a host state the other never saw."""
+    events = []
+
+    def fake_first(lib, jit, case, inp, **extra):
+        events.append(("first", lib.name, extra.get("pieces")))
+        return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
+
+    def fake_interleaved(fns, rounds=runner.ROUNDS):
+        events.append(("timed", tuple(fns)))
+        return {n: {"ms": 1.0, "p20": 1.0, "p80": 1.0, "rounds": [1.0] * rounds} for n in fns}
+
+    monkeypatch.setattr(runner, "_first", fake_first)
+    monkeypatch.setattr(runner, "interleaved", fake_interleaved)
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(name="ours"), ours_jit=[],
+                                 fla=types.SimpleNamespace(name="fla"), fla_jit=[])
+    r = runner.run_case(Case(Shape(1, 8192, 2), "fwd"), None, libs, copy_tbps=4.0, explore=[1, 2])
+    assert events == [("first", "ours", None), ("first", "ours", 1), ("first", "ours", 2), ("first", "fla", None),
+                      ("timed", ("ours", "pieces=1", "pieces=2", "fla"))]
+    assert r["ours"]["rounds"] == r["fla"]["rounds"] == [1.0] * runner.ROUNDS and r["pieces_ms"] == {"1": 1.0, "2": 1.0}
 
 
 def _random_report():

@@ -377,7 +377,7 @@ def fla_key(case: Case) -> tuple:
 # 0.6-1.0 s per config compiled and benchmarked).
 COMPILE_S = 0.7  # one (specialization, config) compile
 TUNE_S = 0.2  # the autotuner's do_bench of one candidate (25 ms warmup + 100 ms reps + L2 flushes)
-MEASURE_S = 0.15  # one do_bench(warmup=10, rep=50) plus the first call and the agreement check
+MEASURE_S = 0.15  # five rounds of do_bench(warmup=2, rep=10) plus the first call and the agreement check
 SHAPE_S = 1.0  # inputs and gates of one shape
 STARTUP_S = 20.0  # imports, the copy probe, fla's import
 

@@ -1,9 +1,10 @@
 """The benchmark's GPU side: inputs, timings, fla-core's handling, the run loops.
 
-Per case: a first call, synchronised and timed on the wall clock (compiles and autotuning
-included; ``compiled`` counts the kernels it compiled), then the median of
-``triton.testing.do_bench(warmup=10, rep=50)``, for chunkstate and for fla, and how far ours is from
-fla's result. Every shape is autotuned afresh for both: the autotuners' caches are cleared before
+Per case: a first call of each call timed (chunkstate's, in one pass or in explicit pieces where
+asked, and fla's), synchronised and timed on the wall clock (compiles and autotuning included;
+``compiled`` counts the kernels it compiled); then all of them timed in ``ROUNDS`` interleaved
+rounds of ``triton.testing.do_bench`` (``interleaved``), each reported as the median of its rounds'
+medians; and how far ours is from fla's result. Every shape is autotuned afresh for both: the autotuners' caches are cleared before
 each shape (fla's key holds no B, T, H, so otherwise the first shape's winner would serve all).
 fla's list is cut to the 8 configs of ``model.FLA_CONFIGS`` unless asked for all 48.
 
@@ -17,6 +18,7 @@ import importlib.metadata
 import itertools
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -33,16 +35,52 @@ from .model import (BT, FLA_CONFIGS, HOST_PROBE, Case, Shape, case_pieces, deriv
 from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, output_paths,
                      write_json, write_png)
 
-WARMUP_MS, REP_MS = 10, 50  # do_bench per measurement
+WARMUP_MS, REP_MS = 10, 50  # do_bench per single measurement (host probes, sweeps, --calibrate)
+# A case's calls are timed in rounds, interleaved (``interleaved``): five rounds of 2 + 10 ms take
+# what one 10 + 50 ms measurement took. A call under ~0.1 ms of GPU work is timed at the host's pace,
+# and on the H200 machines that pace moved by up to 2x between measurements a second apart
+# (figures/README.md, "2026-12-04, session 16"): timed one after the other, two libraries can be
+# timed in different host states; interleaved, each sees the same ones.
+ROUNDS = 5
+ROUND_WARMUP_MS, ROUND_REP_MS = 2, 10
 COPY_BYTES = 1 << 30  # the copy-bandwidth probe copies 1 GiB (2 GiB moved)
 
 
 # ---------------------------------------------------------------- measuring
 
-def do_bench(fn) -> dict:
-    """Median, 20th and 80th percentile milliseconds of ``fn`` (``triton.testing.do_bench``)."""
-    q = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, quantiles=(0.5, 0.2, 0.8))
+def do_bench(fn, warmup: float = WARMUP_MS, rep: float = REP_MS) -> dict:
+    """Median, 20th and 80th percentile milliseconds of ``fn`` (``triton.testing.do_bench`` with
+    ``warmup`` and ``rep`` ms)."""
+    q = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=(0.5, 0.2, 0.8))
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
+
+
+def interleaved(fns: dict, rounds: int = ROUNDS) -> dict:
+    """Time each of ``fns`` (name -> a no-argument function, each called once before) in ``rounds``
+    rounds of ``do_bench(ROUND_WARMUP_MS, ROUND_REP_MS)``, every function once per round, the order
+    rotated by one each round. Returns, by name, ``ms``, ``p20`` and ``p80``: the medians over the
+    rounds of each round's; ``rounds``: each round's median. A function that raises is timed no more
+    and gets ``{"error": ...}``."""
+    names = list(fns)
+    per = {n: [] for n in names}
+    errors = {}
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
+            if n in errors:
+                continue
+            try:
+                per[n].append(do_bench(fns[n], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS))
+            except Exception as e:
+                errors[n] = f"{type(e).__name__}: {str(e)[:500]}"
+    out = {}
+    for n in names:
+        if n in errors:
+            out[n] = {"error": errors[n]}
+            continue
+        out[n] = {q: statistics.median(t[q] for t in per[n]) for q in ("ms", "p20", "p80")}
+        out[n]["rounds"] = [t["ms"] for t in per[n]]
+    return out
 
 
 def bench_call(lib, case, inp, **extra) -> dict:
@@ -209,49 +247,52 @@ class Libraries:
 
 # ---------------------------------------------------------------- one case
 
-def _timed(lib, jit, case, inp, **extra) -> tuple[dict, torch.Tensor | None]:
-    """First call and do_bench of one library on one case; errors are recorded, not raised."""
+def _first(lib, jit, case, inp, **extra) -> tuple[dict, torch.Tensor | None, object]:
+    """The first call of one library on one case (it compiles and autotunes): its entry (wall
+    seconds, kernels compiled), its output and the call to time after (None where it failed: the
+    error is recorded, not raised)."""
     try:
-        out, seconds, compiled = first_call(call(lib, case, inp, **extra), jit)
-        entry = {"first_call_s": seconds, "compiled": compiled}
-        entry.update(do_bench(call(lib, case, inp, **extra)))
-        return entry, out
+        fn = call(lib, case, inp, **extra)
+        out, seconds, compiled = first_call(fn, jit)
+        return {"first_call_s": seconds, "compiled": compiled}, out, fn
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}, None
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}, None, None
 
 
-def _configs_run(autotuners, timed):
-    """Run ``timed()`` (a ``_timed`` call) and add to its entry, under ``"configs"``, the config
+def _configs_run(autotuners, first):
+    """Run ``first()`` (a ``_first`` call) and add to its entry, under ``"configs"``, the config
     each of these autotuners ran last, by kernel name: (BK, BV, warps, stages, USE_TMA). With
     pieces a kernel's autotuner runs twice (two keys); the entry holds the storing pass's config."""
     for at in autotuners:
         at.best_config = None
-    entry, out = timed()
+    entry, out, fn = first()
     chosen = {getattr(getattr(at, "base_fn", None), "__name__", "kernel"): list(tuning.config_tuple(at.best_config))
               for at in autotuners if getattr(at, "best_config", None) is not None}
     if chosen and "error" not in entry:
         entry["configs"] = chosen
-    return entry, out
+    return entry, out, fn
 
 
 def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore: list[int] = ()) -> dict:
     """Time ``case`` for chunkstate (and in one pass too where it is cut into pieces) and fla;
-    ``explore``: piece counts to time too, explicitly (``pieces=P``; the random mode). Returns the
-    result record with its derived numbers (``model.derive``)."""
+    ``explore``: piece counts to time too, explicitly (``pieces=P``; the random mode). Every call
+    is first called once, then all are timed together in interleaved rounds (``interleaved``).
+    Returns the result record with its derived numbers (``model.derive``)."""
     r = new_result(case, case_pieces(case))
     ours_at, fla_at = getattr(libs, "ours_autotuners", []), getattr(libs, "fla_autotuners", [])
-    r["ours"], out = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp))
-    if r["pieces"] > 1 and r["ours"].get("ms") and 1 not in explore:  # what the pieces bought (or cost)
-        r["ours_one_pass"], _ = _configs_run(ours_at, lambda: _timed(libs.ours, libs.ours_jit, case, inp, pieces=1))
-    if explore and r["ours"].get("ms"):
-        r["pieces_ms"] = {}
+    calls = {}  # what to time: the result's slot (or "pieces=P") -> the call
+    r["ours"], out, calls["ours"] = _configs_run(ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp))
+    ours_ran = calls["ours"] is not None
+    if r["pieces"] > 1 and ours_ran and 1 not in explore:  # what the pieces bought (or cost)
+        r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
+            ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp, pieces=1))
+    explicit = {}
+    if explore and ours_ran:
         for P in explore:
-            entry, _ = _timed(libs.ours, libs.ours_jit, case, inp, pieces=P)
-            r["pieces_ms"][str(P)] = entry.get("ms")
-            if P == 1:
-                r["ours_one_pass"] = entry
+            explicit[P], _, calls[f"pieces={P}"] = _first(libs.ours, libs.ours_jit, case, inp, pieces=P)
+    ref = None
     if libs.fla is not None:
-        r["fla"], ref = _configs_run(fla_at, lambda: _timed(libs.fla, libs.fla_jit, case, inp))
+        r["fla"], ref, calls["fla"] = _configs_run(fla_at, lambda: _first(libs.fla, libs.fla_jit, case, inp))
         r["fla"]["valid"] = case.fla_valid
         if not case.fla_valid:
             r["fla"]["note"] = "fla wrong: its backward with split_size > chunk_size stores the wrong gradient"
@@ -260,8 +301,18 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
                 r["agree_rel_err"] = agreement(out, ref)
             except Exception as e:  # e.g. different shapes: recorded, the timings stand
                 r["agree_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        del ref
-    del out
+    del out, ref
+    timed = interleaved({name: fn for name, fn in calls.items() if fn is not None})
+    for slot in ("ours", "ours_one_pass", "fla"):
+        if slot in timed:
+            r[slot].update(timed[slot])
+    if explicit:
+        r["pieces_ms"] = {}
+        for P, entry in explicit.items():
+            entry.update(timed.get(f"pieces={P}", {}))
+            r["pieces_ms"][str(P)] = entry.get("ms")
+            if P == 1:
+                r["ours_one_pass"] = entry
     return derive(r, copy_tbps)
 
 
@@ -356,7 +407,9 @@ def run_info(mode: str, cache: dict) -> dict:
 def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) -> dict:
     """``run_info``, and the copy probe, how each case is timed, its inputs and bytes, and fla's tuning."""
     return {**run_info(mode, cache), "copy": copy,
-            "do_bench": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "statistic": "median (p20, p80 kept)"},
+            "do_bench": {"rounds": ROUNDS, "warmup_ms": ROUND_WARMUP_MS, "rep_ms": ROUND_REP_MS,
+                         "statistic": "per call, the median over the rounds of each round's median (p20, p80 "
+                                      "likewise); a case's calls interleaved, the order rotated each round"},
             "BT": BT, "inputs": "bf16 k, v / q, do; fp32 gates (chunk-local log2 cumsums); no h0, ht, dht",
             "bytes_model": " ".join(unique_bytes.__doc__.split()),
             "fla": libs.fla_info if libs else None}
