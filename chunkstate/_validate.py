@@ -14,8 +14,10 @@ from . import _host
 from .env import INTERPRET
 
 
-def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, like: torch.Tensor | None = None):
-    """Check one tensor argument and return it contiguous.
+def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, like: torch.Tensor | None = None,
+           contiguous: bool = True):
+    """Check one tensor argument and return it contiguous (a copy where it is not), or as it is
+    with ``contiguous=False``: for a tensor no kernel reads, only its shape and dtype.
 
     ``shape``: expected sizes, ``None`` entries match anything. ``like``: the tensor that fixes the
     device (the first argument of the call).
@@ -37,7 +39,7 @@ def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, l
             raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
     if like is not None and x.device != like.device:
         raise ValueError(f"{name} is on {x.device} but the other inputs are on {like.device}")
-    return x.contiguous()
+    return x.contiguous() if contiguous else x
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -185,7 +185,7 @@ def chunk_bwd_dh(
     Args:
         q: [B, T, HQ, K] queries; HQ a multiple of H (GQA: query head j reads KV head j // (HQ / H)).
         k: [B, T, H, K], v: [B, T, H, V]: read for their shapes and dtype only (q, do, k, v share
-            one float dtype; fp16/bf16/fp32).
+            one float dtype; fp16/bf16/fp32), so any strides do, and they are never copied.
         do: [B, T, HQ, V] gradient of the outputs.
         h0: initial states [N, H, K, V] ([N, H, V, K] with ``state_v_first``) or None: only says
             whether ``dh0`` is wanted.
@@ -229,11 +229,12 @@ def chunk_bwd_dh(
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, HQ, K], got {list(q.shape)}")
     B, T, HQ, K = q.shape
-    k = _validate.tensor("k", k, (B, T, None, K), like=q)
+    # k and v give their sizes and dtype only (no kernel reads them): never copied, whatever their strides
+    k = _validate.tensor("k", k, (B, T, None, K), like=q, contiguous=False)
     H = k.shape[2]
     if (H == 0 and HQ != 0) or (H > 0 and (HQ == 0 or HQ % H)):
         raise ValueError(f"q must have a positive multiple of k's H={H} heads (GQA: HQ / H query heads per KV head), got HQ={HQ}")
-    v = _validate.tensor("v", v, (B, T, H, None), like=q)
+    v = _validate.tensor("v", v, (B, T, H, None), like=q, contiguous=False)
     V = v.shape[-1]
     do = _validate.tensor("do", do, (B, T, HQ, V), like=q)
     for name, x in (("k", k), ("v", v), ("do", do)):
@@ -246,7 +247,7 @@ def chunk_bwd_dh(
     g, g_gamma, gk, gv = _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=q)
     p = launch.problem(q, B, T, H, K, V, cu_seqlens, chunk_size, split_size, state_v_first)
     if h0 is not None:
-        h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=q)
+        h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=q, contiguous=False)  # its presence only
     if dht is not None:
         dht = _validate.tensor("dht", dht, (p.N, H, *p.state), like=q)
     launch.check_config(config, ("USE_TMA",))

@@ -452,6 +452,37 @@ def test_scale_is_taken_as_a_float():
             run_backward({**inp, "scale": bad}, nat, h0, dht, cu, 16)
 
 
+def test_k_v_and_h0_are_read_for_their_sizes_only_never_copied(monkeypatch):
+    """The backward reads k and v for their sizes and dtype, and h0 for its presence: given as
+    strided views (k and v split off a fused projection, h0 transposed), they give exactly the
+    result of contiguous copies and are never copied themselves (a copy of k and v would move
+    more bytes than the kernel)."""
+    B, T, H, K, V = 2, 40, 2, 16, 16
+    qkv = torch.randn(B, T, H, 3 * K, device=DEVICE)
+    q, k, v = qkv[..., :K], qkv[..., K:2 * K], qkv[..., 2 * K:]
+    do = torch.randn(B, T, H, V, device=DEVICE)
+    h0 = torch.randn(B, H, V, K, device=DEVICE).transpose(-1, -2)  # [B, H, K, V], strided
+    dht = torch.randn(B, H, K, V, device=DEVICE)
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device=DEVICE) + 3), 16)
+    assert not (k.is_contiguous() or v.is_contiguous() or h0.is_contiguous())
+    kw = dict(g=g, scale=K ** -0.5, chunk_size=16)
+    want = chunk_bwd_dh(q.contiguous(), k.contiguous(), v.contiguous(), do, h0.contiguous(), dht, **kw)
+    copied = []
+    real = torch.Tensor.contiguous
+
+    def recording(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        if out is not x:
+            copied.append(x)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", recording)
+    got = chunk_bwd_dh(q, k, v, do, h0, dht, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not any(x is k or x is v or x is h0 for x in copied)
+    assert any(x is q for x in copied)  # q is read by the kernel: made contiguous
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad inputs: a clear error naming the argument
 # ---------------------------------------------------------------------------------------------
