@@ -411,6 +411,7 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
     assert calibrate.T_TINY == runner.HOST_PROBE.T and calibrate.CALIBRATION[0].label == Shape(
         1, 0, runner.HOST_PROBE.H, runner.HOST_PROBE.K, runner.HOST_PROBE.V).label  # the shape --calibrate times
     monkeypatch.setattr(runner, "HOST_PROBE", Shape(1, 64, 1, 16))  # small enough for the interpreter
+    monkeypatch.setattr(runner, "HOST_CALLS", 1)
     args = cli.parse_args(["--out", str(tmp_path)])
     meta = {"seed": 7, "n": 1, "distribution": "test"}
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "random", {"fresh": True, "dir": "x"}, meta)
@@ -423,7 +424,13 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
         for direction, c in pieces.COSTS.items():
             assert p[direction] == {"pieces=1": 1000.0, "pieces=2": 1000.0}  # do_bench's stand-in: 1 ms
             assert p["model_us"][direction] == {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
+            # the host's own time per call, measured on the CPU's clock (here: interpreted calls)
+            assert set(p["host_us"][direction]) == {"pieces=1", "pieces=2"}
+            assert all(us > 0 for us in p["host_us"][direction].values())
+            # fla's call, timed both ways (chunkstate stands in for fla here)
+            assert p["fla"][direction]["do_bench_us"] == 1000.0 and p["fla"][direction]["host_us"] > 0
         assert f"host probe ({when}, B1 T64 H1 D16): fwd one pass 1000 µs, 2 pieces 1000 µs" in out
+        assert "the host's time per call, one pass / 2 pieces: fwd " in out and "fla, do_bench / host: fwd 1000 / " in out
     monkeypatch.setattr(runner, "call", lambda *a, **k: 1 / 0)
     assert runner.host_probe(None)["error"].startswith("ZeroDivisionError")
 
@@ -943,3 +950,14 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
         got = written["fitted"][direction]
         assert (got["step_us"], got["piece_step_us"]) == (pytest.approx(step), pytest.approx(piece_step))
         assert (got["fixed_us"], got["one_pass_fixed_us"]) == (pytest.approx(fixed), pytest.approx(one_pass_fixed))
+
+
+def test_host_time_is_the_median_wall_time_to_return(monkeypatch):
+    """``host_time_us``: the median over its calls of the time from a call to its return, with a
+    sync before each (so the GPU's queue is empty and nothing overlaps)."""
+    events, clock = [], iter([0.0, 1e-6, 1.0, 1.000005, 2.0, 2.000003])
+    monkeypatch.setattr(runner, "_sync", lambda: events.append("sync"))
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock))
+    us = runner.host_time_us(lambda: events.append("call"), calls=3)
+    assert us == pytest.approx(3.0)  # of 1, 5 and 3 µs
+    assert events == ["sync", "call"] * 3 + ["sync"]

@@ -415,20 +415,48 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
             "fla": libs.fla_info if libs else None}
 
 
-def host_probe(lib) -> dict:
-    """``do_bench`` µs of one pass and of a call in 2 pieces per direction on a shape whose GPU work
-    is a few µs (``HOST_PROBE``, also ``--calibrate``'s: host-bound calls), in this process: the fixed
-    costs of the pieces model as this run pays them, beside ``pieces.COSTS`` (measured by
-    ``--calibrate`` in a process of its own). Errors are recorded, not raised."""
+HOST_CALLS = 100  # calls per host-time measurement (host_time_us)
+
+
+def host_time_us(fn, calls: int | None = None) -> float:
+    """The host's time per call of ``fn`` (called once before): the median, over ``calls`` calls
+    (default ``HOST_CALLS``), of the wall µs from the call to its return, the GPU idle before each
+    (a sync). Unlike ``do_bench``, nothing the GPU does overlaps it."""
+    times = []
+    for _ in range(HOST_CALLS if calls is None else calls):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    _sync()
+    return statistics.median(times)
+
+
+def host_probe(lib, fla=None) -> dict:
+    """On a shape whose GPU work is a few µs (``HOST_PROBE``, also ``--calibrate``'s: host-bound
+    calls), in this process, per direction: ``do_bench`` µs of one pass and of a call in 2 pieces (the
+    fixed costs of the pieces model as this run pays them, beside ``pieces.COSTS``, which
+    ``--calibrate`` measured in a process of its own), and under ``host_us`` the host's own time per
+    call (``host_time_us``); with ``fla`` (a library), the same two for its call under ``"fla"``.
+    Errors are recorded, not raised."""
     s = HOST_PROBE
     out = {"shape": s.label, "model_us": {d: {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
                                           for d, c in pieces.COSTS.items()}}
     try:
         inp = Inputs(s)
+        out["host_us"] = {}
         for direction in ("fwd", "bwd"):
-            out[direction] = {}
+            out[direction], out["host_us"][direction] = {}, {}
             for P in (1, 2):
-                out[direction][f"pieces={P}"] = bench_call(lib, Case(s, direction, final=True), inp, pieces=P)["ms"] * 1e3
+                case = Case(s, direction, final=True)
+                out[direction][f"pieces={P}"] = bench_call(lib, case, inp, pieces=P)["ms"] * 1e3
+                out["host_us"][direction][f"pieces={P}"] = host_time_us(call(lib, case, inp, pieces=P))
+        if fla is not None:
+            out["fla"] = {}
+            for direction in ("fwd", "bwd"):
+                case = Case(s, direction, final=True)
+                out["fla"][direction] = {"do_bench_us": bench_call(fla, case, inp)["ms"] * 1e3,
+                                         "host_us": host_time_us(call(fla, case, inp))}
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
@@ -440,7 +468,15 @@ def format_host_probe(probe: dict, when: str) -> str:
     parts = [f"{d} one pass {probe[d]['pieces=1']:.0f} µs, 2 pieces {probe[d]['pieces=2']:.0f} µs "
              f"(pieces.COSTS: {probe['model_us'][d]['pieces=1']:.0f}, {probe['model_us'][d]['pieces=2']:.0f})"
              for d in ("fwd", "bwd")]
-    return f"host probe ({when}, {probe['shape']}): " + "; ".join(parts)
+    line = f"host probe ({when}, {probe['shape']}): " + "; ".join(parts)
+    if "host_us" in probe:
+        host = probe["host_us"]
+        line += "; the host's time per call, one pass / 2 pieces: " + ", ".join(
+            f"{d} {host[d]['pieces=1']:.0f} / {host[d]['pieces=2']:.0f} µs" for d in ("fwd", "bwd"))
+    if "fla" in probe:
+        line += "; fla, do_bench / host: " + ", ".join(
+            f"{d} {probe['fla'][d]['do_bench_us']:.0f} / {probe['fla'][d]['host_us']:.0f} µs" for d in ("fwd", "bwd"))
+    return line
 
 
 # ---------------------------------------------------------------- runs
@@ -457,7 +493,7 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
     report = {"meta": metadata(mode, copy, libs, cache), "cases": []}
     if random_meta:  # what this process pays per small call, before and after the cases
         report["meta"]["random"] = random_meta
-        report["meta"]["host_probe"] = {"start": host_probe(libs.ours)}
+        report["meta"]["host_probe"] = {"start": host_probe(libs.ours, libs.fla)}
         print(format_host_probe(report["meta"]["host_probe"]["start"], "start"), flush=True)
     json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode)
     sms = tuning.sm_count()
@@ -489,7 +525,7 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
         report["meta"]["wall_s"] = time.perf_counter() - t0
         if random_meta:
             libs.clear_autotune_caches()
-            report["meta"]["host_probe"]["end"] = host_probe(libs.ours)
+            report["meta"]["host_probe"]["end"] = host_probe(libs.ours, libs.fla)
             print(format_host_probe(report["meta"]["host_probe"]["end"], "end"), flush=True)
         write_json(report, json_path)
     print(format_table(report["cases"]))
