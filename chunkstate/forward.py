@@ -208,7 +208,7 @@ def chunk_fwd_h(
     if h0 is not None:
         h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=k)
     launch.check_config(config, ("USE_TMA", "NARROW_V"))
-    if config is not None and config.kwargs.get("NARROW_V") and not ((g is None) != (g_gamma is None) and gv is None):
+    if config is not None and config.kwargs.get("NARROW_V") and not _narrow_v_applies(g, g_gamma, gv):
         raise ValueError("config asks for NARROW_V=True (v scaled by its scalar gate in v's own dtype), which needs "
                          "one of g and g_gamma given, not both, and no gv; pass NARROW_V=False or leave it out")
 
@@ -225,12 +225,17 @@ def chunk_fwd_h(
     return h, ht
 
 
+def _narrow_v_applies(g, g_gamma, gv) -> bool:
+    """Whether v's rows are scaled by one scalar gate alone (``g`` or ``g_gamma``, not both, no
+    ``gv``): where the kernel's ``NARROW_V`` may scale them in v's own dtype."""
+    return (g is None) != (g_gamma is None) and gv is None
+
+
 def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seqlens, split_offsets, N, states,
                   start, end, decay_k=None, decay_v=None) -> None:
     """One launch of the forward kernel over N sequences (``states`` None: store none, only ``end``
     and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
-    narrow = ((g is None) != (g_gamma is None) and gv is None  # one scalar gate on v, and only it
-              and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V)))
+    narrow = _narrow_v_applies(g, g_gamma, gv) and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V))
     args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 T=k.shape[1], H=p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,

@@ -247,8 +247,8 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     and 128×64 with 2 stages (B30 T4096 H6 K256 V64); with a vector gate, pointer 64×64 with 2
     stages from bucket 2 on (gk at D64 and K256 V64), and in bucket 1 the wide TMA tile along the
     longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68). And
-    in bucket 2, 64×64 with 4 warps and 4 stages, fla's winner where its constant-gate forward beat
-    chunkstate's 3 stages on the random shapes of 2026-12-04 (B2 T65536 H20: 0.953 ms against 1.013).
+    in bucket 2, 64×64 with 4 warps and 4 stages: fla's winner where its constant-gate forward beat
+    chunkstate's 3 stages on random shapes.
 
     With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
     win (the pointer configs spill there); from a full wave on they tie with the best pointer

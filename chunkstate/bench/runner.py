@@ -1,10 +1,11 @@
 """The benchmark's GPU side: inputs, timings, fla-core's handling, the run loops.
 
-Per case: a first call of each call timed (chunkstate's, in one pass or in explicit pieces where
-asked, and fla's), synchronised and timed on the wall clock (compiles and autotuning included;
-``compiled`` counts the kernels it compiled); then all of them timed in ``ROUNDS`` interleaved
-rounds of ``triton.testing.do_bench`` (``interleaved``), each reported as the median of its rounds'
-medians; and how far ours is from fla's result. Every shape is autotuned afresh for both: the autotuners' caches are cleared before
+Per case: each call (chunkstate's, in one pass or in explicit pieces where asked, and fla's) is
+first called once, synchronised and timed on the wall clock (compiles and autotuning included;
+``compiled`` counts the kernels it compiled); then all are timed together in ``ROUNDS``
+interleaved rounds of ``triton.testing.do_bench`` (``interleaved``), each reported as the median
+of its rounds' medians; and how far ours is from fla's result. Every shape is autotuned afresh
+for both: the autotuners' caches are cleared before
 each shape (fla's key holds no B, T, H, so otherwise the first shape's winner would serve all).
 fla's list is cut to the 8 configs of ``model.FLA_CONFIGS`` unless asked for all 48.
 
@@ -444,19 +445,19 @@ def host_probe(lib, fla=None) -> dict:
                                           for d, c in pieces.COSTS.items()}}
     try:
         inp = Inputs(s)
+
+        def both(library, direction, **extra):  # (do_bench µs, the host's µs) of one call
+            fn = call(library, Case(s, direction, final=True), inp, **extra)
+            fn()
+            return do_bench(fn)["ms"] * 1e3, host_time_us(fn)
+
         out["host_us"] = {}
         for direction in ("fwd", "bwd"):
             out[direction], out["host_us"][direction] = {}, {}
             for P in (1, 2):
-                case = Case(s, direction, final=True)
-                out[direction][f"pieces={P}"] = bench_call(lib, case, inp, pieces=P)["ms"] * 1e3
-                out["host_us"][direction][f"pieces={P}"] = host_time_us(call(lib, case, inp, pieces=P))
+                out[direction][f"pieces={P}"], out["host_us"][direction][f"pieces={P}"] = both(lib, direction, pieces=P)
         if fla is not None:
-            out["fla"] = {}
-            for direction in ("fwd", "bwd"):
-                case = Case(s, direction, final=True)
-                out["fla"][direction] = {"do_bench_us": bench_call(fla, case, inp)["ms"] * 1e3,
-                                         "host_us": host_time_us(call(fla, case, inp))}
+            out["fla"] = {d: dict(zip(("do_bench_us", "host_us"), both(fla, d))) for d in ("fwd", "bwd")}
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
