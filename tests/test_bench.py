@@ -715,11 +715,41 @@ def test_random_summary_counts():
     assert "worst 0.50 (" in line and "in 1/2 (50 %), worst 1.11×" in line
     # judged by the explicit timings the one-pass choice was the best in both (0.09 was its own timing)
     assert s["choice_ok"] == 2 and s["choice_worst"][0] == pytest.approx(1.0)
-    assert line.endswith("judged by the explicit timings, in 2/2 (100 %), worst 1.00× (" + s["choice_worst"][1] + ")")
+    assert ("judged by the explicit timings, in 2/2 (100 %), worst 1.00× (" + s["choice_worst"][1] + ")") in line
+    assert s["paired_explored"] == s["fla_paired_compared"] == 0
+    assert line.endswith("paired by round: >= 0.97× fla in 0/0, geomean -, worst -; auto in 0/0, worst -, its count in 0/0")
     report["cases"][0]["pieces_ms"] = {"1": 0.10, "2": 0.05}  # two pieces were twice as fast
     report["cases"][0] = bench.derive(report["cases"][0], 4.0)
     s = bench.random_summary(report)
     assert s["choice_ok"] == 1 and s["choice_worst"][0] == pytest.approx(2.0) and "fwd" in s["choice_worst"][1]
+
+
+def test_auto_pieces_judged_paired_by_round():
+    """Per round, each call over the best count's timing in that round, then the median: a drift of
+    the host's pace between rounds (here every third round twice as slow for whichever calls it hit)
+    moves the medians of the medians apart, but not the paired ratios. The best count is the one
+    with the lowest median."""
+    r = bench.new_result(Case(Shape(1, 65536, 2), "fwd", final=True), 4)
+    r["ours"] = {"ms": 0.10, "rounds": [0.10, 0.20, 0.10, 0.20, 0.10]}  # auto: 4 pieces
+    r["pieces_ms"] = {"1": 0.30, "4": 0.20, "8": 0.19}
+    r["pieces_rounds"] = {"1": [0.30, 0.30, 0.30, 0.30, 0.30],
+                          "4": [0.10, 0.20, 0.20, 0.20, 0.10],  # the same call as ours: slow in round 2 here
+                          "8": [0.19, 0.19, 0.19, 0.19, 0.19]}
+    r = bench.derive(r, 4.0)
+    assert r["choice_over_best"] == pytest.approx(0.20 / 0.19)  # medians: 5 % off the best
+    assert r["choice_over_best_paired"] == pytest.approx(0.20 / 0.19)  # rounds 0.53, 1.05, 1.05, 1.05, 0.53
+    assert r["auto_over_best_paired"] == pytest.approx(0.10 / 0.19)  # 0.53, 1.05, 0.53, 1.05, 0.53
+    s = bench.random_summary({"meta": {}, "cases": [r]})
+    assert (s["paired_explored"], s["paired_ok"], s["paired_choices_explored"], s["paired_choice_ok"]) == (1, 1, 1, 0)
+    r["pieces_rounds"]["8"] = [0.19, 0.19, None, 0.19, 0.19]  # a round missing: not paired
+    assert bench.derive(r, 4.0)["auto_over_best_paired"] is None
+    r["fla"] = {"ms": 0.15, "valid": True, "rounds": [0.30, 0.15, 0.15, 0.15, 0.30]}  # slow where ours was fast
+    r = bench.derive(r, 4.0)
+    assert r["fla_over_ours"] == pytest.approx(1.5) and r["fla_over_ours_paired"] == pytest.approx(1.5)
+    r["fla"]["valid"] = False  # fla's result wrong: no ratio either way
+    assert bench.derive(r, 4.0)["fla_over_ours_paired"] is None
+    assert bench.paired_ratio([1.0, 2.0, 3.0], [2.0, 2.0, 2.0]) == 1.0
+    assert bench.paired_ratio([1.0, 2.0], [1.0]) is None and bench.paired_ratio(None, [1.0]) is None
 
 
 def test_random_report_figure(tmp_path):

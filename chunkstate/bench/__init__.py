@@ -28,9 +28,8 @@ The parts:
 from .model import (BT, FLA_CONFIGS, FLA_SHAPES, GATES, OWN_SHAPES, QUICK_SHAPES, RANDOM_DIMS, RANDOM_DISTRIBUTION,
                     RANDOM_HEADS, RANDOM_MAX_STATE_BYTES, SHAPES, SWEEP_SHAPES, VARIANT_SHAPES, VARLEN_LENS, Case,
                     Shape, case_pieces, derive, estimate, explicit_pieces, fla_key, format_plan, geomean, make_cases,
-                    n_splits, new_result, ours_launches, parse_shape, predicted_pieces, programs_64, random_cases,
-                    random_shapes,
-                    select_shapes, sweep_estimate, tried_configs, unique_bytes)
+                    n_splits, new_result, ours_launches, paired_ratio, parse_shape, predicted_pieces, programs_64,
+                    random_cases, random_shapes, select_shapes, sweep_estimate, tried_configs, unique_bytes)
 from .report import (COLUMNS, case_line, format_random_summary, format_summary, format_sweep, format_table,
                      output_paths, random_summary, write_json, write_png)
 
@@ -38,6 +37,7 @@ __all__ = ["BT", "COLUMNS", "FLA_CONFIGS", "FLA_SHAPES", "GATES", "OWN_SHAPES", 
            "RANDOM_DISTRIBUTION", "RANDOM_HEADS", "RANDOM_MAX_STATE_BYTES", "SHAPES", "SWEEP_SHAPES",
            "VARIANT_SHAPES", "VARLEN_LENS", "Case", "Shape", "case_line", "case_pieces", "derive", "estimate",
            "explicit_pieces", "fla_key", "format_plan", "format_random_summary", "format_summary", "format_sweep",
-           "format_table", "geomean", "make_cases", "n_splits", "new_result", "ours_launches", "output_paths", "parse_shape",
+           "format_table", "geomean", "make_cases", "n_splits", "new_result", "ours_launches", "output_paths", "paired_ratio",
+           "parse_shape",
            "predicted_pieces", "programs_64", "random_cases", "random_shapes", "random_summary", "select_shapes",
            "sweep_estimate", "tried_configs", "unique_bytes", "write_json", "write_png"]

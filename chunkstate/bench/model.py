@@ -15,6 +15,7 @@ import itertools
 import math
 import random
 import re
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -275,7 +276,9 @@ def _finite_or_none(x):
 
 def derive(result: dict, copy_tbps: float) -> dict:
     """Fill a case's derived numbers from its raw timings: floor_ms, and per library
-    tbps (= total bytes / ms), x_floor (= ms / floor_ms); fla_over_ours where fla's result is right."""
+    tbps (= total bytes / ms), x_floor (= ms / floor_ms); fla_over_ours where fla's result is right,
+    also paired by round (``paired_ratio``); where piece counts were timed explicitly, chunkstate's
+    own choice against the best of them, as timed and paired by round."""
     total = result["total_bytes"]
     result["floor_ms"] = total / (copy_tbps * 1e12) * 1e3
     for who in ("ours", "ours_one_pass", "fla"):
@@ -289,6 +292,7 @@ def derive(result: dict, copy_tbps: float) -> dict:
     ours, fla = result.get("ours") or {}, result.get("fla") or {}
     ok = fla.get("valid", False) and ours.get("ms") and fla.get("ms")
     result["fla_over_ours"] = fla["ms"] / ours["ms"] if ok else None
+    result["fla_over_ours_paired"] = paired_ratio(fla.get("rounds"), ours.get("rounds")) if ok else None
     explicit = [ms for ms in (result.get("pieces_ms") or {}).values() if _finite_or_none(ms)]
     # chunkstate's own choice against the best explicit piece count (1.0: it chose as well as the best)
     result["auto_over_best"] = ours["ms"] / min(explicit) if explicit and ours.get("ms") else None
@@ -297,7 +301,23 @@ def derive(result: dict, copy_tbps: float) -> dict:
     # run rather than two timings of one call (which differ by up to 3x on calls of ~0.05 ms: noise)
     chosen = _finite_or_none((result.get("pieces_ms") or {}).get(str(result.get("pieces"))))
     result["choice_over_best"] = chosen / min(explicit) if explicit and chosen else None
+    # the same two, paired by round: per round, ours (or the chosen count) over the best count's timing in
+    # that round (the best: the lowest median), then the median. The calls of a round are timed within a
+    # few tens of ms of each other, so a drift of the host's pace between rounds cancels
+    rounds = result.get("pieces_rounds") or {}
+    best = min(((ms, P) for P, ms in (result.get("pieces_ms") or {}).items() if _finite_or_none(ms)), default=None)
+    best_rounds = rounds.get(best[1]) if best else None
+    result["auto_over_best_paired"] = paired_ratio(ours.get("rounds"), best_rounds)
+    result["choice_over_best_paired"] = paired_ratio(rounds.get(str(result.get("pieces"))), best_rounds)
     return result
+
+
+def paired_ratio(a, b) -> float | None:
+    """The median over rounds of ``a[r] / b[r]`` (two calls' per-round timings from the same rounds);
+    None unless both have every round."""
+    if not a or not b or len(a) != len(b) or not all(_finite_or_none(x) for x in (*a, *b)):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def new_result(case: Case, n_pieces: int) -> dict:

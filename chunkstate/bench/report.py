@@ -100,12 +100,17 @@ def random_summary(report: dict) -> dict:
     (fla / ours >= ``WIN_AT``), the geometric mean and the worst of fla / ours; chunkstate's ×floor
     median and worst; auto pieces against the best explicit count where those were timed: as
     timed (``auto_over_best``) and as chosen (``choice_over_best``, the chosen count's explicit
-    timing; counted over the cases where it was timed)."""
+    timing; counted over the cases where it was timed); and both paired by round (``paired_ok``,
+    ``paired_choice_ok``: per round over the best count's timing in that round, the median; counted
+    over the cases whose calls have every round; fla / ours paired likewise: ``fla_paired_*``)."""
     results = [r for r in report["cases"] if not r.get("skipped")]
     ratios = [(r["fla_over_ours"], r["case"]) for r in results if r.get("fla_over_ours")]
     floors = [(r["ours"]["x_floor"], r["case"]) for r in results if (r.get("ours") or {}).get("x_floor")]
     autos = [(r["auto_over_best"], r["case"]) for r in results if r.get("auto_over_best")]
     choices = [(r["choice_over_best"], r["case"]) for r in results if r.get("choice_over_best")]
+    fla_paired = [r["fla_over_ours_paired"] for r in results if r.get("fla_over_ours_paired")]
+    paired = [(r["auto_over_best_paired"], r["case"]) for r in results if r.get("auto_over_best_paired")]
+    paired_choices = [(r["choice_over_best_paired"], r["case"]) for r in results if r.get("choice_over_best_paired")]
     return {"cases": len(results), "compared": len(ratios), "wins": sum(x >= WIN_AT for x, _ in ratios),
             "geomean": geomean(x for x, _ in ratios), "worst": min(ratios, default=None),
             "x_floor_median": statistics.median(x for x, _ in floors) if floors else None,
@@ -113,7 +118,14 @@ def random_summary(report: dict) -> dict:
             "pieces_explored": len(autos), "pieces_ok": sum(x <= PIECES_SLACK for x, _ in autos),
             "pieces_worst": max(autos, default=None),
             "choices_explored": len(choices), "choice_ok": sum(x <= PIECES_SLACK for x, _ in choices),
-            "choice_worst": max(choices, default=None)}
+            "choice_worst": max(choices, default=None),
+            "fla_paired_compared": len(fla_paired), "fla_paired_wins": sum(x >= WIN_AT for x in fla_paired),
+            "fla_paired_geomean": geomean(fla_paired), "fla_paired_worst": min(fla_paired, default=None),
+            "paired_explored": len(paired), "paired_ok": sum(x <= PIECES_SLACK for x, _ in paired),
+            "paired_worst": max(paired, default=None),
+            "paired_choices_explored": len(paired_choices),
+            "paired_choice_ok": sum(x <= PIECES_SLACK for x, _ in paired_choices),
+            "paired_choice_worst": max(paired_choices, default=None)}
 
 
 def format_random_summary(report: dict) -> str:
@@ -124,11 +136,15 @@ def format_random_summary(report: dict) -> str:
     xfw = f"{s['x_floor_worst'][0]:.2f} ({s['x_floor_worst'][1]})" if s["x_floor_worst"] else "-"
     pw = f"{s['pieces_worst'][0]:.2f}× ({s['pieces_worst'][1]})" if s["pieces_worst"] else "-"
     cw = f"{s['choice_worst'][0]:.2f}× ({s['choice_worst'][1]})" if s["choice_worst"] else "-"
+    pw2 = f"{s['paired_worst'][0]:.2f}× ({s['paired_worst'][1]})" if s["paired_worst"] else "-"
     return (f"random seed {m.get('seed')}, {m.get('n')} shapes, {s['cases']} cases: chunkstate >= {WIN_AT}× fla in "
             f"{pct(s['wins'], s['compared'])}; fla/ours geomean {_fmt(s['geomean'], '.2f')}, worst {worst}; "
             f"×floor median {_fmt(s['x_floor_median'], '.2f')}, worst {xfw}; auto pieces within "
             f"{round(100 * (PIECES_SLACK - 1))} % of the best explicit count in {pct(s['pieces_ok'], s['pieces_explored'])}"
-            f", worst {pw}; its count, judged by the explicit timings, in {pct(s['choice_ok'], s['choices_explored'])}, worst {cw}")
+            f", worst {pw}; its count, judged by the explicit timings, in {pct(s['choice_ok'], s['choices_explored'])}, worst {cw}"
+            f"; paired by round: >= {WIN_AT}× fla in {pct(s['fla_paired_wins'], s['fla_paired_compared'])}, "
+            f"geomean {_fmt(s['fla_paired_geomean'], '.2f')}, worst {_fmt(s['fla_paired_worst'], '.2f')}; auto in {pct(s['paired_ok'], s['paired_explored'])}, worst {pw2}, its count in "
+            f"{pct(s['paired_choice_ok'], s['paired_choices_explored'])}")
 
 
 def format_sweep(report: dict) -> str:

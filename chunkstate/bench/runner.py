@@ -308,10 +308,11 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
         if slot in timed:
             r[slot].update(timed[slot])
     if explicit:
-        r["pieces_ms"] = {}
+        r["pieces_ms"], r["pieces_rounds"] = {}, {}
         for P, entry in explicit.items():
             entry.update(timed.get(f"pieces={P}", {}))
             r["pieces_ms"][str(P)] = entry.get("ms")
+            r["pieces_rounds"][str(P)] = entry.get("rounds")
             if P == 1:
                 r["ours_one_pass"] = entry
     return derive(r, copy_tbps)
