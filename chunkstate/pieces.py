@@ -153,8 +153,14 @@ def choose(pieces, p: Problem, direction: str, gate: str) -> int:
     if pieces is None:
         if INTERPRET:
             return 1
-        return auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, tuning.sm_count(), p.BT,
-                           direction=direction, gate=gate)
+        sms = tuning.sm_count()
+        # auto_pieces' first rule, before its cache: a grid of half a wave or more is never cut. Every
+        # default call asks, and on an H200's host the cached call (its key hashed from ten arguments)
+        # cost a small call ~2-5 % of its time against pieces=1 (figures/README.md, "session 17")
+        if p.N * p.H * ((p.K + 63) // 64) * ((p.V + 63) // 64) >= sms // 2:
+            return 1
+        longest = p.T if p.cu_seqlens is None else max(p.lengths, default=0)
+        return auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces

@@ -6,19 +6,22 @@ timings are synthetic.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
 import chunkstate
-from chunkstate import bench, pieces, testing, tuning
+from chunkstate import bench, launch, pieces, testing, tuning
 from chunkstate.bench import Case, Shape, runner
 from chunkstate.bench import __main__ as cli
 from chunkstate.figures import speed
@@ -203,6 +206,30 @@ def test_estimate_counts():
     alone = bench.estimate(cases, None)
     assert alone["compiles"]["fla"] == 0 and alone["measurements"] == len(cases)
     assert alone["seconds"] < est["seconds"]
+
+
+def test_the_default_call_chooses_as_auto_pieces(monkeypatch):
+    """``pieces.choose(None, ..)`` decides a grid of half a wave or more before asking
+    ``auto_pieces``' cache: the same answer as ``auto_pieces`` on every problem, dense or packed."""
+    monkeypatch.setattr(pieces, "INTERPRET", False)  # as on a GPU: auto_pieces decides
+    sms = tuning.sm_count()
+    rng = random.Random(17)
+    like = torch.zeros(0)
+    seen = set()
+    for _ in range(400):
+        H, K, V = rng.choice((1, 2, 3, 4, 8, 16, 48)), rng.choice((32, 64, 100, 128, 256)), rng.choice((64, 128, 256))
+        if rng.random() < 0.5:
+            B, T, cu = rng.choice((1, 2, 3, 8, 40)), rng.choice((1, 700, 4096, 20000, 131072)), None
+        else:
+            lens = [rng.choice((0, 1, 900, 5000, 70000)) for _ in range(rng.choice((1, 2, 5, 33)))]
+            B, T, cu = 1, sum(lens), torch.tensor([0] + list(itertools.accumulate(lens)))
+        p = launch.problem(like, B, T, H, K, V, cu, 64, rng.choice((None, 256)), False)
+        for direction, gate in (("fwd", "g"), ("bwd", "gk"), ("fwd", "none")):
+            want = pieces.auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, sms, p.BT,
+                                      direction=direction, gate=gate)
+            assert pieces.choose(None, p, direction, gate) == want, (B, T, H, K, V, cu)
+            seen.add(want > 1)
+    assert seen == {False, True}, "both answers drawn"
 
 
 def test_pieces_as_an_h200_would_choose():
