@@ -743,8 +743,7 @@ def test_random_summary_counts():
     # judged by the explicit timings the one-pass choice was the best in both (0.09 was its own timing)
     assert s["choice_ok"] == 2 and s["choice_worst"][0] == pytest.approx(1.0)
     assert ("judged by the explicit timings, in 2/2 (100 %), worst 1.00× (" + s["choice_worst"][1] + ")") in line
-    assert s["paired_explored"] == s["fla_paired_compared"] == 0
-    assert line.endswith("paired by round: >= 0.97× fla in 0/0, geomean -, worst -; auto in 0/0, worst -, its count in 0/0")
+    assert s["paired_explored"] == s["fla_paired_compared"] == 0 and "paired" not in line  # no rounds kept
     report["cases"][0]["pieces_ms"] = {"1": 0.10, "2": 0.05}  # two pieces were twice as fast
     report["cases"][0] = bench.derive(report["cases"][0], 4.0)
     s = bench.random_summary(report)
@@ -768,6 +767,9 @@ def test_auto_pieces_judged_paired_by_round():
     assert r["auto_over_best_paired"] == pytest.approx(0.10 / 0.19)  # 0.53, 1.05, 0.53, 1.05, 0.53
     s = bench.random_summary({"meta": {}, "cases": [r]})
     assert (s["paired_explored"], s["paired_ok"], s["paired_choices_explored"], s["paired_choice_ok"]) == (1, 1, 1, 0)
+    assert bench.format_random_summary({"meta": {}, "cases": [r]}).endswith(
+        "; paired by round: >= 0.97× fla in 0/0, geomean -, worst -; auto in 1/1 (100 %), worst 0.53× ("
+        + r["case"] + "), its count in 0/1 (0 %)")
     r["pieces_rounds"]["8"] = [0.19, 0.19, None, 0.19, 0.19]  # a round missing: not paired
     assert bench.derive(r, 4.0)["auto_over_best_paired"] is None
     r["fla"] = {"ms": 0.15, "valid": True, "rounds": [0.30, 0.15, 0.15, 0.15, 0.30]}  # slow where ours was fast
