@@ -463,6 +463,47 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
+def test_warm_first_calls_every_call_a_run_would_time_and_times_nothing(cpu_run, tmp_path, monkeypatch, capsys):
+    """--warm: chunkstate's call, the random mode's explicit piece counts (or one pass where a case is
+    cut) and fla's, each called once (compiled and autotuned); no copy probe, no host probe, no
+    timing, no files. Errors are reported per case, not raised."""
+    def never(*a, **k):
+        raise AssertionError("--warm must time nothing")
+
+    for name in ("do_bench", "copy_bandwidth", "host_probe", "interleaved", "write_json"):
+        monkeypatch.setattr(runner, name, never)
+    called = []
+    real_first = runner._first
+
+    def recording_first(lib, jit, case, inp, **extra):
+        called.append((case.label, extra.get("pieces")))  # chunkstate's calls, then fla's (last, no pieces)
+        if extra.get("pieces") == 1 and case.direction == "bwd":
+            return {"error": "RuntimeError: stand-in"}, None, None
+        return real_first(lib, jit, case, inp, **extra)
+
+    monkeypatch.setattr(runner, "_first", recording_first)
+    monkeypatch.setattr(runner, "case_pieces", lambda case: 2 if case.direction == "bwd" else 1)
+    monkeypatch.setattr(runner, "explicit_pieces", lambda case, sms: [1, 2] if case.direction == "fwd" else [2])
+    cases = [Case(TINY[1], "fwd"), Case(TINY[1], "bwd")]
+    args = cli.parse_args(["--warm", "--out", str(tmp_path)])
+    lines = runner.warm_cases(cases, args, {"seed": 1, "n": 1, "distribution": "test"})
+    fwd, bwd = cases[0].label, cases[1].label
+    assert called == [(fwd, None), (fwd, 1), (fwd, 2), (fwd, None), (bwd, None), (bwd, 1), (bwd, 2), (bwd, None)]
+    assert lines == [f"warm {fwd}: 4 calls", f"warm {bwd}: 4 calls; errors: RuntimeError: stand-in"]
+    assert lines == capsys.readouterr().out.splitlines() and not list(tmp_path.iterdir())
+    called.clear()
+    runner.warm_cases(cases[:1], args)  # not the random mode: no explicit counts; this case is not cut
+    assert [P for _, P in called] == [None, None]
+    assert runner.warm_cases(cases, cli.parse_args(["--warm", "--budget", "1e-9"])) == []  # budget spent: no shape
+
+
+def test_warm_is_refused_where_nothing_is_cased(capsys):
+    for mode in ("--sweep", "--gla", "--calibrate"):
+        assert cli.main([mode, "--warm"]) == 2
+        assert "--warm is for the modes that time cases" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")
 def test_budget_skips_shapes(cpu_run, tmp_path):
     args = cli.parse_args(["--out", str(tmp_path), "--budget", "1e-9"])
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "quick", {"fresh": False, "dir": None})

@@ -32,6 +32,8 @@ its list is cut to 8 H200 winners (--fla-all-configs keeps all 48); fla's GQA is
 Outputs: a table on stdout and, in --out (default: figures/ under the current directory),
 bench_h200[_quick|_full|_sweep|_gla].json (rewritten after every case, so an interrupted run keeps
 what it measured) and a .png beside it (chunkstate.figures.speed).
+--warm only calls each of those calls once (compiles and autotunes) and times and writes nothing:
+run side by side in --shard processes with --keep-cache, it fills Triton's cache for a timed run.
 """
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", metavar="LABEL",
                    help="only shapes whose label contains one of these, e.g. 'B8 T4096 H16' varlen")
     p.add_argument("--budget", type=float, metavar="S", help="start no new shape after S seconds")
+    p.add_argument("--warm", action="store_true",
+                   help="only first-call every call the run would time (compiles and autotunes each): time nothing "
+                   "and write nothing; then a timed run with --keep-cache finds every kernel in Triton's cache")
     p.add_argument("--shard", metavar="I/K", help="time only the shapes I, I+K, I+2K, .. of the run (0 <= I < K): "
                    "K processes can fill Triton's cache side by side before one timed run with --keep-cache")
     return p.parse_args(argv)
@@ -103,6 +108,10 @@ def main(argv=None) -> int:
     mode = ("quick" if args.quick else "full" if args.full else "sweep" if args.sweep else
             "gla" if args.gla else "random" if args.random is not None else
             "calibrate" if args.calibrate else "default")
+    if args.warm and mode in ("sweep", "gla", "calibrate"):
+        print(f"--warm is for the modes that time cases (the default, --quick, --full, --random), not --{mode}",
+              file=sys.stderr)
+        return 2
     random_meta = None
     if mode == "calibrate":
         if args.plan:
@@ -175,6 +184,8 @@ def main(argv=None) -> int:
             run_gla(args, cache)
         elif mode == "sweep":
             runner.run_sweep(shapes, args, cache, gates)
+        elif args.warm:
+            runner.warm_cases(cases, args, random_meta)
         else:
             runner.run_cases(cases, args, mode, cache, random_meta)
     finally:

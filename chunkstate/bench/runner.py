@@ -542,6 +542,38 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
     return report
 
 
+def warm_cases(cases: list[Case], args, random_meta: dict | None = None) -> list[str]:
+    """First-call every call ``run_cases`` would time for ``cases`` — chunkstate's, the random mode's
+    explicit piece counts (``explicit_pieces``) or one pass where a case is cut, and fla's — so that
+    each compiles and autotunes, and do nothing else: no copy or host probe, no timed rounds, no
+    files (``--warm``: run before a timed run with ``--keep-cache``, it fills Triton's cache, and
+    several can run side by side, each on a ``--shard``). ``args.budget`` stops it between shapes,
+    as it stops ``run_cases``. Returns one line per case, also printed: its calls, and their errors."""
+    libs = Libraries(args.fla_all_configs)
+    sms = tuning.sm_count()
+    lines, t0 = [], time.perf_counter()
+    for shape, group in itertools.groupby(cases, key=lambda c: c.shape):
+        if args.budget and time.perf_counter() - t0 > args.budget:
+            break
+        libs.clear_autotune_caches()  # as run_cases: each shape tuned afresh
+        inp = Inputs(shape)
+        for case in group:
+            counts = explicit_pieces(case, sms) if random_meta else []
+            if case_pieces(case) > 1 and 1 not in counts:  # run_case times the cut call in one pass too
+                counts = [1] + counts
+            calls = [(libs.ours, libs.ours_jit, {})] + [(libs.ours, libs.ours_jit, {"pieces": P}) for P in counts]
+            if libs.fla is not None:
+                calls.append((libs.fla, libs.fla_jit, {}))
+            errors = [entry["error"] for entry in (_first(lib, jit, case, inp, **kw)[0] for lib, jit, kw in calls)
+                      if "error" in entry]
+            lines.append(f"warm {case.label}: {len(calls)} calls"
+                         + (f"; errors: {'; '.join(errors)}" if errors else ""))
+            print(lines[-1], flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    return lines
+
+
 def sweep_configs(K: int, V: int) -> list:
     """The configs of ``tuning.ALL_CONFIGS`` a sweep times for a [K, V] state: tiles no wider than
     K and V need (a wider one only computes masked zeros)."""
