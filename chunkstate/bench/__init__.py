@@ -37,7 +37,7 @@ __all__ = ["BT", "COLUMNS", "FLA_CONFIGS", "FLA_SHAPES", "GATES", "OWN_SHAPES", 
            "RANDOM_DISTRIBUTION", "RANDOM_HEADS", "RANDOM_MAX_STATE_BYTES", "SHAPES", "SWEEP_SHAPES",
            "VARIANT_SHAPES", "VARLEN_LENS", "Case", "Shape", "case_line", "case_pieces", "derive", "estimate",
            "explicit_pieces", "fla_key", "format_plan", "format_random_summary", "format_summary", "format_sweep",
-           "format_table", "geomean", "make_cases", "n_splits", "new_result", "ours_launches", "output_paths", "paired_ratio",
-           "parse_shape",
-           "predicted_pieces", "programs_64", "random_cases", "random_shapes", "random_summary", "select_shapes",
-           "sweep_estimate", "tried_configs", "unique_bytes", "write_json", "write_png"]
+           "format_table", "geomean", "make_cases", "n_splits", "new_result", "ours_launches", "output_paths",
+           "paired_ratio", "parse_shape", "predicted_pieces", "programs_64", "random_cases", "random_shapes",
+           "random_summary", "select_shapes", "sweep_estimate", "tried_configs", "unique_bytes", "write_json",
+           "write_png"]

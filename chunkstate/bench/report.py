@@ -144,7 +144,8 @@ def format_random_summary(report: dict) -> str:
             f", worst {pw}; its count, judged by the explicit timings, in {pct(s['choice_ok'], s['choices_explored'])}, worst {cw}"
             + ("" if not (s["fla_paired_compared"] or s["paired_explored"]) else  # runs before the rounds: none
             f"; paired by round: >= {WIN_AT}× fla in {pct(s['fla_paired_wins'], s['fla_paired_compared'])}, "
-            f"geomean {_fmt(s['fla_paired_geomean'], '.2f')}, worst {_fmt(s['fla_paired_worst'], '.2f')}; auto in {pct(s['paired_ok'], s['paired_explored'])}, worst {pw2}, its count in "
+            f"geomean {_fmt(s['fla_paired_geomean'], '.2f')}, worst {_fmt(s['fla_paired_worst'], '.2f')}; "
+            f"auto in {pct(s['paired_ok'], s['paired_explored'])}, worst {pw2}, its count in "
             f"{pct(s['paired_choice_ok'], s['paired_choices_explored'])}"))
 
 
