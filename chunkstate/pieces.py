@@ -133,7 +133,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     and workspace). Answers are cached per argument tuple: after changing ``COSTS`` or
     ``GATE_STEPS``, call ``auto_pieces.cache_clear()``."""
     programs = programs_64(N, H, K, V)
-    if programs == 0 or programs >= sms // 2:
+    if programs == 0 or never_cut(programs, sms):
         return 1
     chunks = _host.cdiv(max_len, BT)
     best, best_us = 1, PIECES_MARGIN * predicted_us(1, programs, chunks, sms, direction, gate)
@@ -146,6 +146,12 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     return best
 
 
+def never_cut(programs: int, sms: int) -> bool:
+    """``auto_pieces``' first rule: a launch of ``programs`` 64×64-tile programs (``programs_64``)
+    with half a wave or more on ``sms`` multiprocessors is never cut."""
+    return programs >= sms // 2
+
+
 def choose(pieces, p: Problem, direction: str, gate: str) -> int:
     """Validate the caller's ``pieces`` and return the count to use: ``None`` asks ``auto_pieces``
     for this device, ``direction`` and gate kind (``gate_kind``; 1 under the interpreter, where
@@ -154,10 +160,10 @@ def choose(pieces, p: Problem, direction: str, gate: str) -> int:
         if INTERPRET:
             return 1
         sms = tuning.sm_count()
-        # auto_pieces' first rule, before its cache: a grid of half a wave or more is never cut. Every
-        # default call asks, and on an H200's host the cached call (its key hashed from ten arguments)
-        # cost a small call ~2-5 % of its time against pieces=1 (figures/README.md, "session 17")
-        if p.N * p.H * ((p.K + 63) // 64) * ((p.V + 63) // 64) >= sms // 2:
+        # auto_pieces' first rule, asked before its cache: every default call asks, and on an H200's host
+        # the cached call (its key hashed from ten arguments) cost a small call ~2-5 % of its time
+        # against pieces=1 (figures/README.md, "session 17")
+        if never_cut(programs_64(p.N, p.H, p.K, p.V), sms):
             return 1
         longest = p.T if p.cu_seqlens is None else max(p.lengths, default=0)
         return auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate)

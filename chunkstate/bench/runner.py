@@ -274,6 +274,12 @@ def _configs_run(autotuners, first):
     return entry, out, fn
 
 
+def one_pass_too(case: Case, explore) -> bool:
+    """Whether ``run_case`` times a case's call in one pass beside chunkstate's own: chunkstate cuts
+    it into pieces and the explicit counts ``explore`` hold no 1."""
+    return case_pieces(case) > 1 and 1 not in explore
+
+
 def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore: list[int] = ()) -> dict:
     """Time ``case`` for chunkstate (and in one pass too where it is cut into pieces) and fla;
     ``explore``: piece counts to time too, explicitly (``pieces=P``; the random mode). Every call
@@ -284,7 +290,7 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
     calls = {}  # what to time: the result's slot (or "pieces=P") -> the call
     r["ours"], out, calls["ours"] = _configs_run(ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp))
     ours_ran = calls["ours"] is not None
-    if r["pieces"] > 1 and ours_ran and 1 not in explore:  # what the pieces bought (or cost)
+    if one_pass_too(case, explore) and ours_ran:  # what the pieces bought (or cost)
         r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
             ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp, pieces=1))
     explicit = {}
@@ -559,8 +565,7 @@ def warm_cases(cases: list[Case], args, random_meta: dict | None = None) -> list
         inp = Inputs(shape)
         for case in group:
             counts = explicit_pieces(case, sms) if random_meta else []
-            if case_pieces(case) > 1 and 1 not in counts:  # run_case times the cut call in one pass too
-                counts = [1] + counts
+            counts = [1] * one_pass_too(case, counts) + counts
             calls = [(libs.ours, libs.ours_jit, {})] + [(libs.ours, libs.ours_jit, {"pieces": P}) for P in counts]
             if libs.fla is not None:
                 calls.append((libs.fla, libs.fla_jit, {}))
