@@ -474,3 +474,29 @@ def test_job_list_holds_every_candidate():
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_no_jit_function_has_a_default_string():
+    """A ``@triton.jit`` helper whose ``tl.constexpr`` parameter defaults to a string (say
+    ``CACHE: tl.constexpr = ""``) compiles under Triton 3.9 and the interpreter, but Triton 3.6 (the
+    H200 image's) passes the bare ``str`` on and fails every kernel that leans on the default
+    ("'str' object has no attribute 'type'"). Pass such a value explicitly instead. Read from the
+    source, so it holds whichever Triton is installed here."""
+    import ast
+    import pathlib
+
+    import chunkstate
+
+    found = []
+    for path in sorted(pathlib.Path(chunkstate.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            if not any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            args = node.args
+            defaults = list(zip(args.args[len(args.args) - len(args.defaults):], args.defaults))
+            defaults += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            found += [f"{path.name}:{node.lineno} {node.name}({a.arg}={ast.unparse(d)})" for a, d in defaults
+                      if isinstance(d, ast.Constant) and isinstance(d.value, str)]
+    assert found == [], f"@triton.jit functions with a default string (Triton 3.6 fails on them): {found}"
