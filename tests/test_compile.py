@@ -30,8 +30,12 @@ The rotating picks come from the session seed (the ids say which; the same ``CHU
 picks the same ones), so that over many runs every config comes up. ``CHUNKSTATE_COMPILE_ALL=1``
 compiles every config of every flag set on sm_90 and every candidate on every target;
 ``CHUNKSTATE_COMPILE_ROTATION=<int>`` picks the rotation; ``CHUNKSTATE_COMPILE_WORKERS`` sets
-the number of compiling processes (default: the CPU count, at most 4). Compiled kernels land in
-Triton's cache, so a second run is fast. tests/test_devices.py checks, without compiling, that
+the number of compiling processes (default: the CPU count, at most 4);
+``CHUNKSTATE_COMPILE_PYTHON=<python>`` the interpreter they run (default: this one), so that a
+machine without a GPU can compile with another Triton, e.g. the H200 image's 3.6, which refuses
+code that 3.9 accepts: ``python -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install
+triton==3.6.0``, then ``CHUNKSTATE_COMPILE_PYTHON=/tmp/t36/bin/python pytest tests/test_compile.py``.
+Compiled kernels land in Triton's cache, so a second run is fast. tests/test_devices.py checks, without compiling, that
 ``prune`` keeps a candidate within every target's shared memory for every bucket and gate kind.
 
 To add a kernel: one ``KernelSpec`` in ``KERNELS`` — its module and name, and one or more flag
@@ -62,6 +66,7 @@ SLACK_BYTES = 32 * 1024
 ROTATING = 1  # configs per flag set on sm_90 on top of the autotuner's candidates
 ROTATING_TARGET = 2  # candidates per run for each target other than sm_90
 MAIN_TARGET = "sm_90"  # every candidate compiled on every run
+COMPILE_PYTHON = os.environ.get("CHUNKSTATE_COMPILE_PYTHON") or sys.executable  # the compiling processes' Python
 
 
 def gpu_target(name: str) -> tuple[str, int, int]:
@@ -337,7 +342,8 @@ def _worker_main() -> None:
     """``python tests/test_compile.py`` reads [[target, kernel, flag set, key], ...] on stdin and
     prints one JSON result per job."""
     todo = json.load(sys.stdin)
-    results = [compile_one(target, kernel, fs, tuple(key)) for target, kernel, fs, key in todo]
+    results = [dict(compile_one(target, kernel, fs, tuple(key)), triton=triton.__version__)
+               for target, kernel, fs, key in todo]
     print("\n@@RESULTS@@" + json.dumps(results))
 
 
@@ -357,7 +363,7 @@ def compiled():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     slices = [s for s in slices if s]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+    procs = [subprocess.Popen([COMPILE_PYTHON, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
              for _ in slices]
 
@@ -397,6 +403,7 @@ def test_compiles_and_fits(job, compiled, record_property):
         pytest.skip(r["skip"])
     assert "error" not in r, f"{_job_id(job)} does not compile for {target}:\n{r['error']}"
     shared, bound = r["shared"], estimate(kernel, fs, key, target)
+    record_property("triton", r.get("triton"))  # the compiling Triton (CHUNKSTATE_COMPILE_PYTHON)
     record_property("shared_bytes", shared)  # in --junitxml reports
     record_property("estimated_bytes", bound)
     assert 0 < shared <= bound, (f"{_job_id(job)} uses {shared} B of shared memory, more than "
@@ -420,7 +427,7 @@ def test_bf16_dots_below_sm80_compile_to_fp32_fmas():
             "for a in ('sm_75', 'sm_80')]))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    done = subprocess.run([COMPILE_PYTHON, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     t4, a100 = json.loads(done.stdout.strip().splitlines()[-1])
     for r in (t4, a100):
@@ -472,8 +479,6 @@ def test_job_list_holds_every_candidate():
             assert set(candidate_pool(target)) <= {(k, f, key) for t, k, f, key in seen if t == target}, target
 
 
-if __name__ == "__main__":
-    _worker_main()
 
 
 def test_no_jit_function_has_a_default_string():
@@ -500,3 +505,7 @@ def test_no_jit_function_has_a_default_string():
             found += [f"{path.name}:{node.lineno} {node.name}({a.arg}={ast.unparse(d)})" for a, d in defaults
                       if isinstance(d, ast.Constant) and isinstance(d.value, str)]
     assert found == [], f"@triton.jit functions with a default string (Triton 3.6 fails on them): {found}"
+
+
+if __name__ == "__main__":
+    _worker_main()
