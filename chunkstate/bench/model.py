@@ -293,22 +293,21 @@ def derive(result: dict, copy_tbps: float) -> dict:
     ok = fla.get("valid", False) and ours.get("ms") and fla.get("ms")
     result["fla_over_ours"] = fla["ms"] / ours["ms"] if ok else None
     result["fla_over_ours_paired"] = paired_ratio(fla.get("rounds"), ours.get("rounds")) if ok else None
-    explicit = [ms for ms in (result.get("pieces_ms") or {}).values() if _finite_or_none(ms)]
+    timed = {P: ms for P, ms in (result.get("pieces_ms") or {}).items() if _finite_or_none(ms)}  # "P" -> ms
+    best = min(timed, key=timed.get) if timed else None  # the explicit count with the lowest median
+    chosen = str(result.get("pieces"))
     # chunkstate's own choice against the best explicit piece count (1.0: it chose as well as the best)
-    result["auto_over_best"] = ours["ms"] / min(explicit) if explicit and ours.get("ms") else None
+    result["auto_over_best"] = ours["ms"] / timed[best] if best and ours.get("ms") else None
     # the same choice judged by the explicit timings alone: the chosen count's own timing over the best.
     # Where chunkstate chose a count that was also timed explicitly, this compares two timings of one
     # run rather than two timings of one call (which differ by up to 3x on calls of ~0.05 ms: noise)
-    chosen = _finite_or_none((result.get("pieces_ms") or {}).get(str(result.get("pieces"))))
-    result["choice_over_best"] = chosen / min(explicit) if explicit and chosen else None
+    result["choice_over_best"] = timed[chosen] / timed[best] if best and chosen in timed else None
     # the same two, paired by round: per round, ours (or the chosen count) over the best count's timing in
-    # that round (the best: the lowest median), then the median. The calls of a round are timed within a
-    # few tens of ms of each other, so a drift of the host's pace between rounds cancels
+    # that round, then the median. The calls of a round are timed within a few tens of ms of each other,
+    # so a drift of the host's pace between rounds cancels
     rounds = result.get("pieces_rounds") or {}
-    best = min(((ms, P) for P, ms in (result.get("pieces_ms") or {}).items() if _finite_or_none(ms)), default=None)
-    best_rounds = rounds.get(best[1]) if best else None
-    result["auto_over_best_paired"] = paired_ratio(ours.get("rounds"), best_rounds)
-    result["choice_over_best_paired"] = paired_ratio(rounds.get(str(result.get("pieces"))), best_rounds)
+    result["auto_over_best_paired"] = paired_ratio(ours.get("rounds"), rounds.get(best))
+    result["choice_over_best_paired"] = paired_ratio(rounds.get(chosen), rounds.get(best))
     return result
 
 

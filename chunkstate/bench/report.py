@@ -104,39 +104,40 @@ def random_summary(report: dict) -> dict:
     ``paired_choice_ok``: per round over the best count's timing in that round, the median; counted
     over the cases whose calls have every round; fla / ours paired likewise: ``fla_paired_*``)."""
     results = [r for r in report["cases"] if not r.get("skipped")]
-    ratios = [(r["fla_over_ours"], r["case"]) for r in results if r.get("fla_over_ours")]
+
+    def named(key):  # (value, case) wherever the case has ``key``
+        return [(r[key], r["case"]) for r in results if r.get(key)]
+
+    def against_best(pairs):  # (cases judged, within PIECES_SLACK of the best count, the worst)
+        return len(pairs), sum(x <= PIECES_SLACK for x, _ in pairs), max(pairs, default=None)
+
+    ratios = named("fla_over_ours")
     floors = [(r["ours"]["x_floor"], r["case"]) for r in results if (r.get("ours") or {}).get("x_floor")]
-    autos = [(r["auto_over_best"], r["case"]) for r in results if r.get("auto_over_best")]
-    choices = [(r["choice_over_best"], r["case"]) for r in results if r.get("choice_over_best")]
-    fla_paired = [r["fla_over_ours_paired"] for r in results if r.get("fla_over_ours_paired")]
-    paired = [(r["auto_over_best_paired"], r["case"]) for r in results if r.get("auto_over_best_paired")]
-    paired_choices = [(r["choice_over_best_paired"], r["case"]) for r in results if r.get("choice_over_best_paired")]
-    return {"cases": len(results), "compared": len(ratios), "wins": sum(x >= WIN_AT for x, _ in ratios),
-            "geomean": geomean(x for x, _ in ratios), "worst": min(ratios, default=None),
-            "x_floor_median": statistics.median(x for x, _ in floors) if floors else None,
-            "x_floor_worst": max(floors, default=None),
-            "pieces_explored": len(autos), "pieces_ok": sum(x <= PIECES_SLACK for x, _ in autos),
-            "pieces_worst": max(autos, default=None),
-            "choices_explored": len(choices), "choice_ok": sum(x <= PIECES_SLACK for x, _ in choices),
-            "choice_worst": max(choices, default=None),
-            "fla_paired_compared": len(fla_paired), "fla_paired_wins": sum(x >= WIN_AT for x in fla_paired),
-            "fla_paired_geomean": geomean(fla_paired), "fla_paired_worst": min(fla_paired, default=None),
-            "paired_explored": len(paired), "paired_ok": sum(x <= PIECES_SLACK for x, _ in paired),
-            "paired_worst": max(paired, default=None),
-            "paired_choices_explored": len(paired_choices),
-            "paired_choice_ok": sum(x <= PIECES_SLACK for x, _ in paired_choices),
-            "paired_choice_worst": max(paired_choices, default=None)}
+    fla_paired = [x for x, _ in named("fla_over_ours_paired")]
+    out = {"cases": len(results), "compared": len(ratios), "wins": sum(x >= WIN_AT for x, _ in ratios),
+           "geomean": geomean(x for x, _ in ratios), "worst": min(ratios, default=None),
+           "x_floor_median": statistics.median(x for x, _ in floors) if floors else None,
+           "x_floor_worst": max(floors, default=None),
+           "fla_paired_compared": len(fla_paired), "fla_paired_wins": sum(x >= WIN_AT for x in fla_paired),
+           "fla_paired_geomean": geomean(fla_paired), "fla_paired_worst": min(fla_paired, default=None)}
+    for keys, source in ((("pieces_explored", "pieces_ok", "pieces_worst"), "auto_over_best"),
+                         (("choices_explored", "choice_ok", "choice_worst"), "choice_over_best"),
+                         (("paired_explored", "paired_ok", "paired_worst"), "auto_over_best_paired"),
+                         (("paired_choices_explored", "paired_choice_ok", "paired_choice_worst"),
+                          "choice_over_best_paired")):
+        out.update(zip(keys, against_best(named(source))))
+    return out
 
 
 def format_random_summary(report: dict) -> str:
     """One line: ``random_summary`` in words."""
     m, s = report["meta"].get("random", {}), random_summary(report)
     pct = lambda a, b: f"{a}/{b} ({100 * a / b:.0f} %)" if b else "0/0"  # noqa: E731
-    worst = f"{s['worst'][0]:.2f} ({s['worst'][1]})" if s["worst"] else "-"
-    xfw = f"{s['x_floor_worst'][0]:.2f} ({s['x_floor_worst'][1]})" if s["x_floor_worst"] else "-"
-    pw = f"{s['pieces_worst'][0]:.2f}× ({s['pieces_worst'][1]})" if s["pieces_worst"] else "-"
-    cw = f"{s['choice_worst'][0]:.2f}× ({s['choice_worst'][1]})" if s["choice_worst"] else "-"
-    pw2 = f"{s['paired_worst'][0]:.2f}× ({s['paired_worst'][1]})" if s["paired_worst"] else "-"
+    def case(key, unit=""):  # "0.93× (its case)", or "-"
+        return f"{s[key][0]:.2f}{unit} ({s[key][1]})" if s[key] else "-"
+
+    worst, xfw = case("worst"), case("x_floor_worst")
+    pw, cw, pw2 = case("pieces_worst", "×"), case("choice_worst", "×"), case("paired_worst", "×")
     return (f"random seed {m.get('seed')}, {m.get('n')} shapes, {s['cases']} cases: chunkstate >= {WIN_AT}× fla in "
             f"{pct(s['wins'], s['compared'])}; fla/ours geomean {_fmt(s['geomean'], '.2f')}, worst {worst}; "
             f"×floor median {_fmt(s['x_floor_median'], '.2f')}, worst {xfw}; auto pieces within "

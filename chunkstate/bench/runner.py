@@ -565,7 +565,8 @@ def warm_cases(cases: list[Case], args, random_meta: dict | None = None) -> list
         inp = Inputs(shape)
         for case in group:
             counts = explicit_pieces(case, sms) if random_meta else []
-            counts = [1] * one_pass_too(case, counts) + counts
+            if one_pass_too(case, counts):
+                counts = [1] + counts
             calls = [(libs.ours, libs.ours_jit, {})] + [(libs.ours, libs.ours_jit, {"pieces": P}) for P in counts]
             if libs.fla is not None:
                 calls.append((libs.fla, libs.fla_jit, {}))
