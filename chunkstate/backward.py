@@ -33,6 +33,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
                            sequence_bounds, store_decays, store_state)
+from .pieces import fold_contributions, piece_role, publish_contribution
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -52,6 +53,11 @@ def chunk_bwd_kernel_dh(
     split_offsets,  # [N + 1] first split slot of each packed sequence
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
+    counter,  # [1] int32 (LOOK_BACK): hands out the programs' tickets; 0 between launches
+    flags,  # int32 (LOOK_BACK): per piece, head and tile, the readers its contribution has left; 0 between launches
+    contributions,  # [N, H, K, V] fp32 (LOOK_BACK): each piece's gradient leaving its start, from a zero one at its end
+    piece_seq,  # [N] (LOOK_BACK): the sequence each piece belongs to
+    seq_pieces,  # [sequences + 1] (LOOK_BACK): each sequence's first piece
     scale,
     T,
     OCCUPANCY,  # autotune key only, never specialised: the launch's size against the SM count (tuning.launch_bucket)
@@ -76,9 +82,15 @@ def chunk_bwd_kernel_dh(
     STORE_STATES: tl.constexpr = True,  # False: only dh0 (and decays): the pieces' first pass
     STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load q, do, gk, gv through TMA descriptors (a config choice)
+    LOOK_BACK: tl.constexpr = False,  # the N sequences are pieces, run in one launch of 2x the programs (pieces)
 ):
     HQ: tl.constexpr = H * NG
-    i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
+    storing = True  # this program stores gradients (with LOOK_BACK, the second half of the programs)
+    if LOOK_BACK:  # a piece, walked from zero to publish what it adds, or from its true end storing gradients
+        i_nh, i_n, i_h, i_k, i_v, storing, i_seq, p_first, p_last = piece_role(counter, piece_seq, seq_pieces,
+                                                                                 H, K, V, BK, BV)
+    else:
+        i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
     bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
@@ -95,14 +107,22 @@ def chunk_bwd_kernel_dh(
         b_gamma = load_gamma(g_gamma, i_h)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
-    if USE_FINAL_STATE_GRADIENT:
+    if LOOK_BACK:
+        if storing:  # the gradient leaving the piece: dht, carried back across the pieces after it
+            if USE_FINAL_STATE_GRADIENT:
+                b_dh = load_state(dht + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+            b_dh = fold_contributions(b_dh, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_last,
+                                      p_last - i_n, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, True)
+        else:  # from zero; the first piece adds to nothing before it
+            NT = tl.where(i_n > p_first, NT, 0)
+    elif USE_FINAL_STATE_GRADIENT:
         b_dh = load_state(dht + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
     b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
     b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
     for i_t in range(NT - 1, -1, -1):
         if STORE_STATES:  # the chunk closes a split (or the sequence): store the gradient leaving it
-            if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
+            if ((i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1)) & storing:
                 i_s = boh + i_t // CHUNKS_PER_SPLIT
                 store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
         m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
@@ -140,17 +160,26 @@ def chunk_bwd_kernel_dh(
             # dh += qᵀ do: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
             b_dh = tl.dot(b_q, b_do, b_dh)
 
-    if STORE_INITIAL_STATE_GRADIENT:
-        store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
-    if STORE_DECAY:
-        store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
+    if LOOK_BACK:
+        if storing:
+            if STORE_INITIAL_STATE_GRADIENT:
+                if i_n == p_first:  # the sequence's first piece ends, walking back, where the sequence starts
+                    store_state(dh0 + (i_seq * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+        elif i_n > p_first:
+            publish_contribution(contributions, decay_k, decay_v, flags, b_dh, b_decay_k, b_decay_v, i_nh, i_k, i_v,
+                                 i_n - p_first, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
+    else:
+        if STORE_INITIAL_STATE_GRADIENT:
+            store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+        if STORE_DECAY:
+            store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
 
 
 _tuned_backward = triton.autotune(
     configs=tuning.CONFIGS,
     key=["K", "V", "NG", "BT", "BS", "OCCUPANCY", "TMA_OK", "SMEM", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
          "STATE_V_FIRST", "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES",
-         "STORE_DECAY"],
+         "STORE_DECAY", "LOOK_BACK"],
     prune_configs_by={"early_config_prune": tuning.Pruner(chunk_bwd_kernel_dh)},
     do_bench=tuning.autotune_timing,
 )(chunk_bwd_kernel_dh)
@@ -266,15 +295,18 @@ def chunk_bwd_dh(
 
 
 def _backward_pass(q, do, g, g_gamma, gk, gv, scale, p: launch.Problem, config, *, cu_seqlens, split_offsets, N,
-                   states, start, end, decay_k=None, decay_v=None) -> None:
+                   states, start, end, decay_k=None, decay_v=None, look_back=None) -> None:
     """One launch of the backward kernel over N sequences (``states`` None: store none, only
-    ``end`` and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
+    ``end`` and, given ``decay_k``, each sequence's total decay: the pieces' first pass; ``look_back``:
+    the N sequences are pieces run in one launch, ``pieces.run_one_launch``'s buffers by name)."""
     args = dict(q=q, do=do, dh=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=start, dh0=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 scale=scale, T=q.shape[1], H=p.H, NG=q.shape[2] // p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_FINAL_STATE_GRADIENT=start is not None,
                 STORE_INITIAL_STATE_GRADIENT=end is not None, IS_VARLEN=cu_seqlens is not None,
-                STATE_V_FIRST=p.state_v_first, STORE_STATES=states is not None, STORE_DECAY=decay_k is not None)
-    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N, H=p.H, K=p.K, V=p.V, config=config,
-               tma_inputs=dict(q=q, do=do, gk=gk, gv=gv))
+                STATE_V_FIRST=p.state_v_first, STORE_STATES=states is not None,
+                STORE_DECAY=decay_k is not None and look_back is None, LOOK_BACK=look_back is not None,
+                **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
+    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N if look_back is None else 2 * N, H=p.H, K=p.K, V=p.V,
+               config=config, tma_inputs=dict(q=q, do=do, gk=gk, gv=gv))
