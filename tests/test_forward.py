@@ -440,6 +440,38 @@ def test_pieces_in_one_launch_give_the_three_launches_states(tile, device, monke
     pieces.clear_workspaces()
 
 
+@gpu_only
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_gpu_pieces_in_one_launch_under_load(direction, monkeypatch):
+    """Many programs waiting at once, over and over: B1 T65536 H4 K = V = 128 in 16 and 32 pieces (up
+    to 1,024 programs, past one wave, so waiting programs share the SMs with those they wait on),
+    autotuned, 20 calls each on fresh gates; every call's states equal to the three launches' to
+    1e-6 and the flags and counter back at zero. A missed release or acquire shows as a wrong or
+    changing answer; a deadlock as a hang (pytest's timeout)."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    B, T, H, K, V, BT = 1, 65536, 4, 128, 128, 64
+    k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, V))
+    for P in (16, 32):
+        for call in range(20):
+            g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4), BT)
+            dht = torch.randn(1, H, K, V, device="cuda")
+            out = {}
+            for one in (False, True):
+                monkeypatch.setattr(pieces, "ONE_LAUNCH", one)
+                with nan_poisoned_empty():
+                    if direction == "fwd":
+                        out[one] = chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, states_in_fp32=True,
+                                                          pieces=P)
+                    else:
+                        out[one] = chunkstate.chunk_bwd_dh(k, k, v, v, None, dht, 0.088, g=g, states_in_fp32=True,
+                                                           pieces=P)
+            check_close(out[True][0], out[False][0], f"{direction} pieces={P} call {call}: one launch vs three", 1e-6)
+            assert _look_back_sync_zero(), f"{direction} pieces={P} call {call}: flags or counter left non-zero"
+    pieces.clear_workspaces()
+
+
 def test_pieces_of_a_batch_with_an_empty_sequence_take_three_launches(device, monkeypatch):
     """An empty sequence owns no piece, so no program of a one-launch call would store its final
     state (h0): such a call takes the three launches, whose scan stores it."""
