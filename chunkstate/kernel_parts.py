@@ -67,9 +67,17 @@ def sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS: tl.constexpr, IS_VARL
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr, CACHE: tl.constexpr = ""):
-    """Load a [BK, BV] fp32 tile from base ``p`` of a [K, V] (or [V, K]) state (``CACHE``: ``tl.load``'s
-    cache modifier; ".cg" reads past the multiprocessor's L1, for what another program published)."""
+def load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Load a [BK, BV] fp32 tile from base ``p`` of a [K, V] (or [V, K]) state."""
+    return load_state_cached(p, o_k, o_v, K, V, STATE_V_FIRST, "")
+
+
+@triton.jit
+def load_state_cached(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+                      CACHE: tl.constexpr):
+    """``load_state`` with ``tl.load``'s cache modifier ``CACHE``: ".cg" reads past the
+    multiprocessor's L1, for what another program published. (A separate function, not a default
+    argument: Triton 3.6's compiler does not turn a callee's default string into a constexpr.)"""
     m = (o_k[:, None] < K) & (o_v[None, :] < V)
     if STATE_V_FIRST:
         b = tl.load(p + o_v[None, :] * K + o_k[:, None], mask=m, other=0.0, cache_modifier=CACHE)

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from . import _host, tuning
 from .env import INTERPRET
-from .kernel_parts import load_state, program_tile, store_state, tile_of
+from .kernel_parts import load_state, load_state_cached, program_tile, store_state, tile_of
 from .launch import Problem, launch_plain, serialised
 
 ONE_LAUNCH = True  # a call in pieces is one launch (the kernels' LOOK_BACK); False: the three launches
@@ -314,7 +314,7 @@ def fold_contributions(b_s, contributions, decay_k, decay_v, flags, i_h, i_k, i_
         b_s *= tl.math.exp2(tl.load(decay_k + o_p * K + o_k, mask=o_k < K, other=0.0, cache_modifier=".cg"))[:, None]
         if USE_DECAY_V:
             b_s *= tl.math.exp2(tl.load(decay_v + o_p * V + o_v, mask=o_v < V, other=0.0, cache_modifier=".cg"))[None, :]
-        b_s += load_state(contributions + o_p * K * V, o_k, o_v, K, V, STATE_V_FIRST, ".cg")
+        b_s += load_state_cached(contributions + o_p * K * V, o_k, o_v, K, V, STATE_V_FIRST, ".cg")
         tl.atomic_add(flag, -1, sem="relaxed")
     return b_s
 
