@@ -308,5 +308,5 @@ def _backward_pass(q, do, g, g_gamma, gk, gv, scale, p: launch.Problem, config, 
                 STATE_V_FIRST=p.state_v_first, STORE_STATES=states is not None,
                 STORE_DECAY=decay_k is not None and look_back is None, LOOK_BACK=look_back is not None,
                 **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
-    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N if look_back is None else 2 * N, H=p.H, K=p.K, V=p.V,
+    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N, copies=1 if look_back is None else 2, H=p.H, K=p.K, V=p.V,
                config=config, tma_inputs=dict(q=q, do=do, gk=gk, gv=gv))

@@ -277,5 +277,5 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
                 STORE_STATES=states is not None, STORE_DECAY=decay_k is not None and look_back is None,
                 NARROW_V=narrow, LOOK_BACK=look_back is not None,
                 **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
-    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N if look_back is None else 2 * N, H=p.H, K=p.K, V=p.V,
+    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, copies=1 if look_back is None else 2, H=p.H, K=p.K, V=p.V,
                config=config, tma_inputs=dict(k=k, v=v, gk=gk, gv=gv))
