@@ -479,7 +479,8 @@ def test_pieces_of_a_batch_with_an_empty_sequence_take_three_launches(device, mo
 
     pieces.clear_workspaces()
     case = make_case(1, 100, 2, 16, 16, torch.float32, ("g",), True, [0, 0, 50, 100], device)
-    check_against_loop(case, TOL_FP32, TOL_FP32, 16, 32, what="pieces=3, an empty sequence", pieces=3)
+    tol = TOL_TF32 if ON_GPU else TOL_FP32  # fp32 dots are tf32 on a GPU
+    check_against_loop(case, tol, tol, 16, 32, what="pieces=3, an empty sequence", pieces=3)
     assert [key for key in pieces._WORKSPACES if key[0] == "look_back"] == []
     assert len(pieces._WORKSPACES) == 1  # the three launches' workspace
     pieces.clear_workspaces()
