@@ -33,7 +33,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
                            sequence_bounds, store_decays, store_state)
-from .pieces import fold_contributions, piece_role, publish_contribution
+from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -120,6 +120,8 @@ def chunk_bwd_kernel_dh(
     b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
     b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
+    if LOOK_BACK:
+        probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the walk starts
     for i_t in range(NT - 1, -1, -1):
         if STORE_STATES:  # the chunk closes a split (or the sequence): store the gradient leaving it
             if ((i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1)) & storing:
@@ -168,6 +170,7 @@ def chunk_bwd_kernel_dh(
         elif i_n > p_first:
             publish_contribution(contributions, decay_k, decay_v, flags, b_dh, b_decay_k, b_decay_v, i_nh, i_k, i_v,
                                  i_n - p_first, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
+        probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the program ends
     else:
         if STORE_INITIAL_STATE_GRADIENT:
             store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)

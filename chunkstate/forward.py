@@ -25,7 +25,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
                            store_state)
-from .pieces import fold_contributions, piece_role, publish_contribution
+from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
 
 
 @triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK", "SMEM"])
@@ -108,6 +108,8 @@ def chunk_fwd_kernel_h(
     b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
     b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
+    if LOOK_BACK:
+        probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the walk starts
     for i_t in range(0, NT):
         if STORE_STATES:
             if (i_t % CHUNKS_PER_SPLIT == 0) & storing:  # the chunk opens a split: store the state entering it
@@ -149,6 +151,7 @@ def chunk_fwd_kernel_h(
         elif i_n < p_last:
             publish_contribution(contributions, decay_k, decay_v, flags, b_h, b_decay_k, b_decay_v, i_nh, i_k, i_v,
                                  p_last - i_n, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
+        probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the program ends
     else:
         if STORE_FINAL_STATE:
             store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)

@@ -36,6 +36,7 @@ launch) or twice (three launches, with ``scan`` between).
 from __future__ import annotations
 
 import functools
+import os as _os
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -48,6 +49,11 @@ from .env import INTERPRET
 from .kernel_parts import load_state, load_state_cached, program_tile, store_state, tile_of
 from .launch import Problem, launch_plain, serialised
 
+# WIP diagnostic (branch only): CHUNKSTATE_PROBE_ONE_LAUNCH=1 before import makes every program of a
+# one-launch call record [SM id, ticket, start, walk start, end] (globaltimer_lo, ns) in int32 slots
+# after the ticket counter (probe_mark; bench/probe_one_launch.py reads them)
+PROBE = tl.constexpr(_os.environ.get("CHUNKSTATE_PROBE_ONE_LAUNCH", "0") == "1" and not INTERPRET)
+PROBE_SLOTS = tl.constexpr(5)
 ONE_LAUNCH = True  # a call in pieces is one launch (the kernels' LOOK_BACK); False: the three launches
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
@@ -271,6 +277,28 @@ def piece_scan_kernel(
 # so a launch leaves both at zero for the next one (also when a CUDA graph replays it).
 
 @triton.jit
+def probe_mark(counter, slot: tl.constexpr):
+    """``PROBE`` only: the GPU's globaltimer (low 32 bits, ns) into this program's ``slot`` of the
+    probe (slot 2, the start, also stores the SM id into slot 0)."""
+    if PROBE:
+        pid = tl.program_id(0)
+        base = counter + 1 + pid.to(tl.int64) * PROBE_SLOTS
+        t = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [pid], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.store(base + slot, t)
+        if slot == 2:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(base, sm)
+
+
+@triton.jit
+def probe_ticket(counter, ticket):
+    """``PROBE`` only: the program's ticket into slot 1 of its probe."""
+    if PROBE:
+        tl.store(counter + 1 + tl.program_id(0).to(tl.int64) * PROBE_SLOTS + 1, ticket)
+
+
+@triton.jit
 def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):
     """This program's work in a one-launch call in pieces, from the order programs started: a
@@ -283,6 +311,8 @@ def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr,
     ticket = tl.atomic_add(counter, 1)
     if ticket == 2 * n_half - 1:  # every program holds its ticket: the next launch starts at 0
         tl.atomic_xchg(counter, 0)
+    probe_ticket(counter, ticket)
+    probe_mark(counter, 2)
     storing = ticket >= n_half
     i_nh, i_p, i_h, i_k, i_v = tile_of(tl.where(storing, ticket - n_half, ticket).to(tl.int64), H, K, V, BK, BV)
     i_seq = tl.load(piece_seq + i_p).to(tl.int64)
@@ -384,8 +414,9 @@ def _look_back_workspace(NP: int, p: Problem, use_gv: bool, device):
     if views is None:
         F, _, decay_k, decay_v = _new_workspace(NP, p, use_gv, device, with_S=False)
         n_flags = NP * p.H * _host.cdiv(p.K, MIN_TILE) * _host.cdiv(p.V, MIN_TILE)
-        sync = torch.zeros(n_flags + 1, dtype=torch.int32, device=device)
-        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])
+        probe = 2 * n_flags * PROBE_SLOTS.value if PROBE else 0  # WIP diagnostic slots (probe_mark)
+        sync = torch.zeros(n_flags + 1 + probe, dtype=torch.int32, device=device)
+        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the counter, then the probe's slots
         if capturing or F.untyped_storage().nbytes() > MAX_KEPT_BYTES:
             return views
         _WORKSPACES[key] = views

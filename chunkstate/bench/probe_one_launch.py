@@ -1,0 +1,79 @@
+"""WIP diagnostic (branch one-launch-pieces): where a one-launch call in pieces spends its time.
+
+    CHUNKSTATE_PROBE_ONE_LAUNCH=1 python -m chunkstate.bench.probe_one_launch
+
+On the H200 a piece's walk took 1.3-1.9x longer in the one launch than in the three launches'
+passes (figures/README.md, session 18). With the probe on, every program of a one-launch call
+records its SM, its ticket, and the GPU's globaltimer when it starts, when its walk starts (after
+folding in the contributions it waits for) and when it ends (``pieces.probe_mark``). This prints,
+per shape and direction, for each role (publishing, storing) and piece: how long the programs
+waited, how long they walked, per chunk, and how many programs shared an SM while walking; and,
+beside it, the three launches' time for the same call (do_bench) and the one launch's.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+SHAPES = [(1, 131072, 2, 4), (1, 65536, 4, 2), (1, 131072, 2, 16), (2, 16384, 4, 4)]  # B, T, H, pieces; K = V = 128
+BT = 64
+
+
+def main() -> None:
+    assert os.environ.get("CHUNKSTATE_PROBE_ONE_LAUNCH") == "1", "set CHUNKSTATE_PROBE_ONE_LAUNCH=1 before import"
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    import chunkstate
+    from chunkstate import gates, pieces
+
+    for B, T, H, P in SHAPES:
+        K = V = 128
+        k = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+        g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4), BT)
+        dht = torch.randn(B, H, K, V, device="cuda")
+        for d in ("fwd", "bwd"):
+            def call(one):
+                pieces.ONE_LAUNCH = one
+                if d == "fwd":
+                    return chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, pieces=P)
+                return chunkstate.chunk_bwd_dh(k, k, v, v, None, dht, 0.088, g=g, pieces=P)
+            ms = {}
+            for one in (False, True):
+                call(one)
+                ms[one] = do_bench(lambda: call(one), warmup=10, rep=40) * 1e3
+            pieces.clear_workspaces()
+            call(True)
+            torch.cuda.synchronize()
+            (key, views), = [(kk, vv) for kk, vv in pieces._WORKSPACES.items() if kk[0] == "look_back"]
+            probe = views[4][1:].view(-1, int(pieces.PROBE_SLOTS.value)).cpu().long() & 0xFFFFFFFF
+            rows = [r for r in probe.tolist() if r[2] != 0]  # programs launched (the slots are zero beyond)
+            t0 = min(r[2] for r in rows)
+            rows = [[r[0], r[1]] + [(t - t0) % 2 ** 32 for t in r[2:]] for r in rows]  # ns from the first start
+            n = len(rows)
+            half = n // 2
+            chunks = -(-T // (P * BT))
+            line = [f"{d} B{B} T{T} H{H} P{P}: three launches {ms[False]:.0f} us, one {ms[True]:.0f} us; {n} programs"]
+            for role, sel in (("publish", [r for r in rows if r[1] < half]), ("store", [r for r in rows if r[1] >= half])):
+                waits = [(r[3] - r[2]) / 1e3 for r in sel]
+                walks = [(r[4] - r[3]) / 1e3 for r in sel]
+                ends = [r[4] / 1e3 for r in sel]
+                starts = [r[2] / 1e3 for r in sel]
+                line.append(f"  {role}: start {min(starts):.0f}-{max(starts):.0f} us, wait median {statistics.median(waits):.0f}"
+                            f" max {max(waits):.0f}, walk median {statistics.median(walks):.0f} max {max(walks):.0f} us"
+                            f" ({statistics.median(walks) / chunks * 1e3:.0f} ns/chunk if a whole piece), end max {max(ends):.0f} us")
+            # programs per SM while walking: for each walking program, how many others on its SM overlap its walk
+            share = []
+            for r in rows:
+                if r[4] - r[3] <= 0:
+                    continue
+                share.append(sum(1 for o in rows if o is not r and o[0] == r[0] and o[3] < r[4] and o[4] > r[3]))
+            line.append(f"  SMs used {len(set(r[0] for r in rows))}; programs overlapping a walk on its SM: "
+                        f"median {statistics.median(share) if share else 0}, max {max(share) if share else 0}")
+            print("\n".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
