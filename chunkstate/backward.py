@@ -32,7 +32,7 @@ from . import _validate, launch, tuning
 from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
-                           sequence_bounds, store_decays, store_state)
+                           sequence_bounds, store_decays, store_state, store_state_where)
 from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
 
 
@@ -124,9 +124,9 @@ def chunk_bwd_kernel_dh(
         probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the walk starts
     for i_t in range(NT - 1, -1, -1):
         if STORE_STATES:  # the chunk closes a split (or the sequence): store the gradient leaving it
-            if ((i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1)) & storing:
-                i_s = boh + i_t // CHUNKS_PER_SPLIT
-                store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+            if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
+                i_s = boh + i_t // CHUNKS_PER_SPLIT  # (with LOOK_BACK, only a program of the storing half)
+                store_state_where(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST, storing)
         m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
         b_gq = tl.zeros([BT], dtype=tl.float32)  # [BT] the scalar gates' G_i: q's decay from the chunk's start
         if USE_G:  # scalar gate: all of dh, and q's tokens

@@ -24,7 +24,7 @@ from . import _validate, launch, tuning
 from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
-                           store_state)
+                           store_state, store_state_where)
 from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
 
 
@@ -112,9 +112,9 @@ def chunk_fwd_kernel_h(
         probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the walk starts
     for i_t in range(0, NT):
         if STORE_STATES:
-            if (i_t % CHUNKS_PER_SPLIT == 0) & storing:  # the chunk opens a split: store the state entering it
-                i_s = boh + i_t // CHUNKS_PER_SPLIT
-                store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+            if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
+                i_s = boh + i_t // CHUNKS_PER_SPLIT  # (with LOOK_BACK, only a program of the storing half)
+                store_state_where(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST, storing)
         m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
         b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
         b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
