@@ -8,25 +8,30 @@ records its SM, its ticket, and the GPU's globaltimer when it starts, when its w
 folding in the contributions it waits for) and when it ends (``pieces.probe_mark``). This prints,
 per shape and direction, for each role (publishing, storing) and piece: how long the programs
 waited, how long they walked, per chunk, and how many programs shared an SM while walking; and,
-beside it, the three launches' time for the same call (do_bench) and the one launch's.
+beside it, the three launches' time for the same call (do_bench) and the one launch's, and the
+host's time per call (``runner.host_time_us``) of each and of one pass. Last, on the smallest shape
+(host-bound: its GPU work is a few µs), cProfile's top functions for 200 calls of each path, to find
+the host work a call in pieces adds to one pass.
 """
 from __future__ import annotations
 
 import os
 import statistics
 
-SHAPES = [(1, 131072, 2, 4), (1, 65536, 4, 2), (1, 131072, 2, 16), (2, 16384, 4, 4)]  # B, T, H, pieces; K = V = 128
+SHAPES = [(1, 131072, 2, 4), (1, 65536, 4, 2), (1, 131072, 2, 16), (2, 16384, 4, 4), (1, 4096, 2, 2)]  # B, T, H, pieces; K = V = 128
 BT = 64
 
 
 def main() -> None:
     assert os.environ.get("CHUNKSTATE_PROBE_ONE_LAUNCH") == "1", "set CHUNKSTATE_PROBE_ONE_LAUNCH=1 before import"
+    global SHAPES
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench
 
     import chunkstate
     from chunkstate import gates, pieces
+    from chunkstate.bench.runner import host_time_us
 
     for B, T, H, P in SHAPES:
         K = V = 128
@@ -40,22 +45,33 @@ def main() -> None:
                 if d == "fwd":
                     return chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, pieces=P)
                 return chunkstate.chunk_bwd_dh(k, k, v, v, None, dht, 0.088, g=g, pieces=P)
-            ms = {}
+            ms, host = {}, {}
             for one in (False, True):
                 call(one)
                 ms[one] = do_bench(lambda: call(one), warmup=10, rep=40) * 1e3
+                host[one] = host_time_us(lambda: call(one))
+            one_pass = (lambda: chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, pieces=1)) if d == "fwd" else \
+                (lambda: chunkstate.chunk_bwd_dh(k, k, v, v, None, dht, 0.088, g=g, pieces=1))
+            one_pass()
+            ms[None], host[None] = do_bench(one_pass, warmup=10, rep=40) * 1e3, host_time_us(one_pass)
+            if T <= 4096:  # host-bound: where a call in pieces spends the host's time
+                profile_host(call, one_pass, d)
             pieces.clear_workspaces()
             call(True)
             torch.cuda.synchronize()
             (key, views), = [(kk, vv) for kk, vv in pieces._WORKSPACES.items() if kk[0] == "look_back"]
             probe = views[4][1:].view(-1, int(pieces.PROBE_SLOTS.value)).cpu().long() & 0xFFFFFFFF
             rows = [r for r in probe.tolist() if r[2] != 0]  # programs launched (the slots are zero beyond)
+            if not rows:
+                print(f"{d} B{B} T{T} H{H} P{P}: no probe slots written (pieces.PROBE is off?)", flush=True)
+                continue
             t0 = min(r[2] for r in rows)
             rows = [[r[0], r[1]] + [(t - t0) % 2 ** 32 for t in r[2:]] for r in rows]  # ns from the first start
             n = len(rows)
             half = n // 2
             chunks = -(-T // (P * BT))
-            line = [f"{d} B{B} T{T} H{H} P{P}: three launches {ms[False]:.0f} us, one {ms[True]:.0f} us; {n} programs"]
+            line = [f"{d} B{B} T{T} H{H} P{P}: do_bench three launches {ms[False]:.0f} us, one {ms[True]:.0f}, one pass "
+                    f"{ms[None]:.0f}; host per call {host[False]:.0f} / {host[True]:.0f} / {host[None]:.0f} us; {n} programs"]
             for role, sel in (("publish", [r for r in rows if r[1] < half]), ("store", [r for r in rows if r[1] >= half])):
                 waits = [(r[3] - r[2]) / 1e3 for r in sel]
                 walks = [(r[4] - r[3]) / 1e3 for r in sel]
@@ -73,6 +89,32 @@ def main() -> None:
             line.append(f"  SMs used {len(set(r[0] for r in rows))}; programs overlapping a walk on its SM: "
                         f"median {statistics.median(share) if share else 0}, max {max(share) if share else 0}")
             print("\n".join(line), flush=True)
+
+
+def profile_host(call, one_pass, direction: str, calls: int = 200) -> None:
+    """cProfile's top functions by own time over ``calls`` calls of the three launches, the one
+    launch and one pass (the GPU idle before each)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    for name, fn in (("three launches", lambda: call(False)), ("one launch", lambda: call(True)),
+                     ("one pass", one_pass)):
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            prof.enable()
+            fn()
+            prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        print(f"  {direction} {name}: {stats.total_tt / calls * 1e6:.1f} us of Python per call; top by own time:")
+        stats.sort_stats("tottime").print_stats(8)
+        print("\n".join("    " + l for l in out.getvalue().splitlines() if l.strip() and "/" in l)[:3000], flush=True)
 
 
 if __name__ == "__main__":
