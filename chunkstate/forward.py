@@ -24,7 +24,7 @@ from . import _validate, launch, tuning
 from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
-                           store_state, store_state_where)
+                           store_state)
 from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
 
 
@@ -71,13 +71,12 @@ def chunk_fwd_kernel_h(
     STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
     NARROW_V: tl.constexpr = False,  # scale v by g or g_gamma in v's own dtype (one scalar gate alone; tuning.narrow_v)
-    LOOK_BACK: tl.constexpr = False,  # the N sequences are pieces, run in one launch of 2x the programs (pieces)
+    LOOK_BACK: tl.constexpr = False,  # the N sequences are pieces, each walked twice in one launch (pieces)
 ):
     tl.static_assert(not NARROW_V or (USE_G != USE_G_GAMMA and not USE_GV), "NARROW_V is for one scalar gate alone")
-    storing = True  # this program stores states (with LOOK_BACK, the second half of the programs)
-    if LOOK_BACK:  # a piece, walked from zero to publish what it adds, or from its true start storing states
-        i_nh, i_n, i_h, i_k, i_v, storing, i_seq, p_first, p_last = piece_role(counter, piece_seq, seq_pieces,
-                                                                                 H, K, V, BK, BV)
+    if LOOK_BACK:  # a piece: walked from zero to publish what it adds, then from its true start storing states
+        i_nh, i_n, i_h, i_k, i_v, i_seq, p_first, p_last = piece_role(counter, piece_seq, seq_pieces, H, K, V, BK, BV,
+                                                                      False)
     else:
         i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)
     bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
@@ -92,66 +91,70 @@ def chunk_fwd_kernel_h(
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     if USE_G_GAMMA:
         b_gamma = load_gamma(g_gamma, i_h)
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     NT = tl.cdiv(T, BT)
-    if LOOK_BACK:
-        if storing:  # the piece's true start: h0, carried across the pieces before it
+
+    # The walk over the chunks, once; with LOOK_BACK twice (unrolled): walk 0 from zero, to publish the
+    # piece's contribution (not the last piece's: nothing after it reads one), then walk 1 from its true start
+    for walk in tl.static_range(0 if LOOK_BACK else 1, 2):
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+        n_chunks = NT
+        if walk == 0:
+            n_chunks = tl.where(i_n < p_last, NT, 0)
+        elif LOOK_BACK:  # the piece's true start: h0, carried across the pieces before it
+            probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the first walk published
             if USE_INITIAL_STATE:
                 b_h = load_state(h0 + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
             b_h = fold_contributions(b_h, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_first,
                                      i_n - p_first, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, False)
-        else:  # from zero; the last piece adds to nothing after it
-            NT = tl.where(i_n < p_last, NT, 0)
-    elif USE_INITIAL_STATE:
-        b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
-    b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
-    b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
+            probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the second walk starts
+        elif USE_INITIAL_STATE:
+            b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+        b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (STORE_DECAY, walk 0)
+        b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
+
+        for i_t in range(0, n_chunks):
+            if STORE_STATES and walk == 1:
+                if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
+                    i_s = boh + i_t // CHUNKS_PER_SPLIT
+                    store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+            m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
+            b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
+            b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
+            if USE_G:  # scalar gate: all of h, and v's rows
+                b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
+                b_h *= tl.math.exp2(b_g_last)
+                b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
+                b_decay_k += b_g_last
+            if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
+                _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
+                b_h *= tl.math.exp2(b_gg_last)
+                b_v = decay_rows(b_v, b_gg_to_end, m_t, NARROW_V)
+                b_decay_k += b_gg_last
+            if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
+                b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
+                b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
+                b_h *= tl.math.exp2(b_gk_last)[:, None]
+                b_k = b_k.to(tl.float32) * tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
+                b_decay_k += b_gk_last
+            if USE_GV:  # value gate: h's columns, and v's
+                b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
+                b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
+                b_h *= tl.math.exp2(b_gv_last)[None, :]
+                b_v = b_v.to(tl.float32) * tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
+                b_decay_v += b_gv_last
+            # h += kᵀ v: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
+            b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
+
+        if walk == 0:
+            if i_n < p_last:
+                publish_contribution(contributions, decay_k, decay_v, flags, b_h, b_decay_k, b_decay_v, i_nh, i_k,
+                                     i_v, p_last - i_n, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
 
     if LOOK_BACK:
-        probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the walk starts
-    for i_t in range(0, NT):
-        if STORE_STATES:
-            if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
-                i_s = boh + i_t // CHUNKS_PER_SPLIT  # (with LOOK_BACK, only a program of the storing half)
-                store_state_where(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST, storing)
-        m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
-        b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
-        b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
-        if USE_G:  # scalar gate: all of h, and v's rows
-            b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
-            b_h *= tl.math.exp2(b_g_last)
-            b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
-            b_decay_k += b_g_last
-        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
-            _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
-            b_h *= tl.math.exp2(b_gg_last)
-            b_v = decay_rows(b_v, b_gg_to_end, m_t, NARROW_V)
-            b_decay_k += b_gg_last
-        if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
-            b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
-            b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
-            b_h *= tl.math.exp2(b_gk_last)[:, None]
-            b_k = b_k.to(tl.float32) * tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
-            b_decay_k += b_gk_last
-        if USE_GV:  # value gate: h's columns, and v's
-            b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
-            b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
-            b_h *= tl.math.exp2(b_gv_last)[None, :]
-            b_v = b_v.to(tl.float32) * tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
-            b_decay_v += b_gv_last
-        # h += kᵀ v: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
-        b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
-
-    if LOOK_BACK:
-        if storing:
-            if STORE_FINAL_STATE:
-                if i_n == p_last:  # the sequence's last piece ends where the sequence does
-                    store_state(ht + (i_seq * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-        elif i_n < p_last:
-            publish_contribution(contributions, decay_k, decay_v, flags, b_h, b_decay_k, b_decay_v, i_nh, i_k, i_v,
-                                 p_last - i_n, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
-        probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the program ends
+        if STORE_FINAL_STATE:
+            if i_n == p_last:  # the sequence's last piece ends where the sequence does
+                store_state(ht + (i_seq * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+        probe_mark(counter, 5)  # WIP diagnostic (pieces.PROBE): the program ends
     else:
         if STORE_FINAL_STATE:
             store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
@@ -280,5 +283,5 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
                 STORE_STATES=states is not None, STORE_DECAY=decay_k is not None and look_back is None,
                 NARROW_V=narrow, LOOK_BACK=look_back is not None,
                 **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
-    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, copies=1 if look_back is None else 2, H=p.H, K=p.K, V=p.V,
+    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, H=p.H, K=p.K, V=p.V,
                config=config, tma_inputs=dict(k=k, v=v, gk=gk, gv=gv))

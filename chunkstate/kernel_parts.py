@@ -89,14 +89,7 @@ def load_state_cached(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIR
 @triton.jit
 def store_state(p, b, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
     """Store a [BK, BV] tile at base ``p`` of a [K, V] state (or [V, K] with STATE_V_FIRST)."""
-    store_state_where(p, b, o_k, o_v, K, V, STATE_V_FIRST, True)
-
-
-@triton.jit
-def store_state_where(p, b, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr, pred):
-    """``store_state`` where ``pred`` (a scalar) holds: a predicated store, not a branch, so that a
-    loop storing states stays one block that Triton's software pipeliner can prefetch across."""
-    m = tl.where(pred, (o_k[:, None] < K) & (o_v[None, :] < V), False)
+    m = (o_k[:, None] < K) & (o_v[None, :] < V)
     if STATE_V_FIRST:
         tl.store(p + o_v[None, :] * K + o_k[:, None], b.to(p.dtype.element_ty), mask=m)
     else:

@@ -91,12 +91,9 @@ def check_config(config, optional: tuple[str, ...]) -> None:
             raise ValueError(f"config's {name} must be 16, 32, 64 or 128 (a tile width), got {tile!r}")
 
 
-def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tma_inputs: dict,
-        copies: int = 1) -> None:
+def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tma_inputs: dict) -> None:
     """Launch ``kernel`` (``tuned``: its autotuner) with ``args`` over N·H (sequence, head) pairs,
-    each cut into [BK, BV] state tiles, ``copies`` programs per tile (2: the pieces in one launch,
-    whose two halves walk one after the other, so the occupancy bucket counts N, not 2N);
-    ``config``: run that ``triton.Config`` instead of
+    each cut into [BK, BV] state tiles; ``config``: run that ``triton.Config`` instead of
     autotuning. ``tma_inputs``: the tensors the kernel may read through TMA descriptors, by name
     (an explicit ``USE_TMA`` config is refused unless all of them can be). A launch seen before
     goes straight to the compiled kernel (``direct``)."""
@@ -124,7 +121,7 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
     call_args, args = args, {**args, **keyed}
 
     def grid(meta):
-        return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H * copies,)
+        return (_host.cdiv(K, meta["BK"]) * _host.cdiv(V, meta["BV"]) * N * H,)
 
     with serialised():
         if config is None:

@@ -17,14 +17,14 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
 their inputs twice (1.5× the unsplit bytes). As three launches a call cost the host 90-320 µs on
 H200 machines whatever its size, against 30-90 µs for one, so by default (``ONE_LAUNCH``) the three
-steps are one launch of twice the programs (the kernels' ``LOOK_BACK``): the first half, in the
-order programs start, run step 1 and publish each piece's ``f_p`` and decays behind a flag; the
-second half run step 3, each first folding in the contributions of the pieces before its own (in
-reverse: after it) as step 2's scan would, in the scan's order and arithmetic. A program of the
-second half waits only on the first half's, which started before it and never wait: no deadlock
-whatever the schedule (``piece_role``, ``fold_contributions``, ``publish_contribution``). A batch
-with an empty sequence, which owns no piece and so no program to store its end state, takes the
-three launches. The pieces pay only for long sequences far below one wave of programs:
+steps are one launch of one program per piece and tile (the kernels' ``LOOK_BACK``), each walking
+its piece twice: first from zero (step 1), publishing ``f_p`` and the decays behind a flag; then
+from its true start, storing its states (step 3), after folding in the contributions of the pieces
+before its own (in reverse: after it) as step 2's scan would, in the scan's order and arithmetic.
+A program publishes before it waits, and waits only on programs that took earlier tickets, so
+have started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions``,
+``publish_contribution``). A batch with an empty sequence, which owns no piece and so no program
+to store its end state, takes the three launches. The pieces pay only for long sequences far below one wave of programs:
 ``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``; its
 fixed costs are the three launches', not yet measured again for one), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
@@ -50,10 +50,10 @@ from .kernel_parts import load_state, load_state_cached, program_tile, store_sta
 from .launch import Problem, launch_plain, serialised
 
 # WIP diagnostic (branch only): CHUNKSTATE_PROBE_ONE_LAUNCH=1 before import makes every program of a
-# one-launch call record [SM id, ticket, start, walk start, end] (globaltimer_lo, ns) in int32 slots
-# after the ticket counter (probe_mark; bench/probe_one_launch.py reads them)
+# one-launch call record [SM id, ticket, start, first walk published, second walk's start, end]
+# (globaltimer_lo, ns) in int32 slots after the ticket counter (probe_mark; bench/probe_one_launch.py)
 PROBE = tl.constexpr(_os.environ.get("CHUNKSTATE_PROBE_ONE_LAUNCH", "0") == "1" and not INTERPRET)
-PROBE_SLOTS = tl.constexpr(5)
+PROBE_SLOTS = tl.constexpr(6)
 ONE_LAUNCH = True  # a call in pieces is one launch (the kernels' LOOK_BACK); False: the three launches
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
@@ -264,17 +264,22 @@ def piece_scan_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Pieces in one launch (the kernels' LOOK_BACK): the three steps in one grid of twice the programs
+# Pieces in one launch (the kernels' LOOK_BACK): the three steps in one grid, each program walking twice
 # ---------------------------------------------------------------------------------------------
 #
-# The first half of the programs (in the order they start) walk a piece from zero and publish its
-# contribution f_p and decays d_p, as step 1 does; the second half walk a piece from its true start,
-# storing its states, as step 3 does, after folding in the contributions of the pieces before it (in
-# reverse: after it) as step 2's scan does, in the scan's order and arithmetic: the same bits. A
-# program of the second half waits only on programs of the first, which started before it and
-# never wait, so no schedule of the programs can deadlock. Each contribution's flag holds how many
-# pieces will still read it; each reader counts itself off, and the last ticket resets the counter,
-# so a launch leaves both at zero for the next one (also when a CUDA graph replays it).
+# One program per piece and tile, as in one of the three launches' passes. Each walks its piece from
+# zero and publishes its contribution f_p and decays d_p, as step 1 does (not the last piece: nothing
+# after it reads one; in reverse, the first); then folds in the contributions of the pieces before
+# its own (in reverse: after it) as step 2's scan does, in the scan's order and arithmetic, so the
+# same bits; then walks its piece again from that true start, storing its states, as step 3 does.
+# Tickets, in the order programs start, hand out the tiles piece by piece (in reverse for the
+# backward), so a program waits only on programs that started before it; each of those publishes
+# after a walk that waits on nothing, so no schedule of the programs can deadlock. Each
+# contribution's flag holds how many pieces will still read it; each reader counts itself off, and
+# the last ticket resets the counter, so a launch leaves both at zero for the next one (also when a
+# CUDA graph replays it). (A first version launched twice the programs, one half publishing and the
+# other storing: on the H200 its walks ran 1.3-1.6x slower than the passes', figures/README.md,
+# session 18.)
 
 @triton.jit
 def probe_mark(counter, slot: tl.constexpr):
@@ -300,25 +305,27 @@ def probe_ticket(counter, ticket):
 
 @triton.jit
 def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr):
-    """This program's work in a one-launch call in pieces, from the order programs started: a
-    ticket from ``counter`` (the last ticket sets it back to 0). Returns the tile as
-    ``program_tile`` does, its sequence index being the piece's; ``storing``: False for the first
-    half of the tickets (a walk from zero that publishes the piece's contribution), True for the
-    second (a walk from the piece's true start that stores its states); the piece's sequence, and
-    that sequence's first and last pieces."""
-    n_half = tl.num_programs(0) // 2
+               BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+    """Which piece and tile this program of a one-launch call in pieces walks, from the order programs
+    started: a ticket from ``counter`` (the last ticket sets it back to 0), the tiles taken in order
+    (in reverse order with ``REVERSE``), so that the pieces a program waits on (before its own; after
+    it, in reverse) took earlier tickets and have started. Returns the tile as ``program_tile`` does,
+    its sequence index being the piece's; the piece's sequence, and that sequence's first and last
+    pieces."""
+    n = tl.num_programs(0)
     ticket = tl.atomic_add(counter, 1)
-    if ticket == 2 * n_half - 1:  # every program holds its ticket: the next launch starts at 0
+    if ticket == n - 1:  # every program holds its ticket: the next launch starts at 0
         tl.atomic_xchg(counter, 0)
     probe_ticket(counter, ticket)
     probe_mark(counter, 2)
-    storing = ticket >= n_half
-    i_nh, i_p, i_h, i_k, i_v = tile_of(tl.where(storing, ticket - n_half, ticket).to(tl.int64), H, K, V, BK, BV)
+    order = ticket
+    if REVERSE:
+        order = n - 1 - ticket
+    i_nh, i_p, i_h, i_k, i_v = tile_of(order.to(tl.int64), H, K, V, BK, BV)
     i_seq = tl.load(piece_seq + i_p).to(tl.int64)
     p_first = tl.load(seq_pieces + i_seq).to(tl.int64)
     p_last = tl.load(seq_pieces + i_seq + 1).to(tl.int64) - 1
-    return i_nh, i_p, i_h, i_k, i_v, storing, i_seq, p_first, p_last
+    return i_nh, i_p, i_h, i_k, i_v, i_seq, p_first, p_last
 
 
 @triton.jit
@@ -414,7 +421,7 @@ def _look_back_workspace(NP: int, p: Problem, use_gv: bool, device):
     if views is None:
         F, _, decay_k, decay_v = _new_workspace(NP, p, use_gv, device, with_S=False)
         n_flags = NP * p.H * _host.cdiv(p.K, MIN_TILE) * _host.cdiv(p.V, MIN_TILE)
-        probe = 2 * n_flags * PROBE_SLOTS.value if PROBE else 0  # WIP diagnostic slots (probe_mark)
+        probe = n_flags * PROBE_SLOTS.value if PROBE else 0  # WIP diagnostic slots (probe_mark)
         sync = torch.zeros(n_flags + 1 + probe, dtype=torch.int32, device=device)
         views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the counter, then the probe's slots
         if capturing or F.untyped_storage().nbytes() > MAX_KEPT_BYTES:

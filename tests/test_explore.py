@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 import chunkstate
-from chunkstate import backward, explore, forward, pieces
+from chunkstate import backward, explore, forward
 from chunkstate.bench import model
 from chunkstate.explore import programs, views
 from chunkstate.testing import check_close
@@ -114,10 +114,7 @@ def test_map_matches_what_the_kernel_writes(case, direction, monkeypatch):
     assert not missing and not extra, (f"{name} {direction}: elements the kernel writes but the map does not claim "
                                        f"(slot, head, k, v) {missing}; claimed but left NaN {extra}")
     assert real.any()
-    # a call in pieces in one launch (pieces.ONE_LAUNCH; not with an empty sequence) launches the map's
-    # programs, which store the states, after as many that publish the pieces' contributions
-    one_launch = P > 1 and pieces.ONE_LAUNCH and min(lengths or [T]) > 0
-    assert grids and grids[-1] == table.grid * (2 if one_launch else 1) and table.grid == len(table.rows), \
+    assert grids and grids[-1] == table.grid == len(table.rows), \
         f"the map has {len(table.rows)} programs; the real launches had grids {grids}"
     assert table.pieces == P
 

@@ -406,14 +406,14 @@ if ON_GPU:  # every tile shape the GPU configs use, each with 4 and 8 warps
 
 @pytest.mark.parametrize("tile", ONE_LAUNCH_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 def test_pieces_in_one_launch_give_the_three_launches_states(tile, device, monkeypatch):
-    """``pieces.ONE_LAUNCH``: half the programs publish their piece's contribution, the other half
-    fold those of the pieces before theirs into their start, as the scan does, and store the states.
-    The states are the three launches' bit for bit on CPU (the same arithmetic in the same order; a GPU
-    may fuse a multiply-add differently: 1e-6 there); the final state, which the last piece walks
-    to rather than the scan folding it, agrees to fp32 rounding; the flags and the ticket counter
-    are zero after every call (the next call, and a CUDA graph replay, start from them); repeated
-    calls reuse them. Dense and packed batches (one-token sequences, uneven pieces), every gate,
-    h0, split 32, both state layouts."""
+    """``pieces.ONE_LAUNCH``: each program walks its piece from zero and publishes its contribution,
+    then folds those of the pieces before its own into its start, as the scan does, and walks again
+    storing the states. The states are the three launches' bit for bit on CPU (the same arithmetic in
+    the same order; a GPU may fuse a multiply-add differently: 1e-6 there); the final state, which
+    the last piece walks to rather than the scan folding it, agrees to fp32 rounding; the flags and
+    the ticket counter are zero after every call (the next call, and a CUDA graph replay, start from
+    them); repeated calls reuse them. Dense and packed batches (one-token sequences, uneven pieces),
+    every gate, h0, split 32, both state layouts."""
     from chunkstate import pieces
 
     pieces.clear_workspaces()
@@ -444,7 +444,7 @@ def test_pieces_in_one_launch_give_the_three_launches_states(tile, device, monke
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_gpu_pieces_in_one_launch_under_load(direction, monkeypatch):
     """Many programs waiting at once, over and over: B1 T65536 H4 K = V = 128 in 16 and 32 pieces (up
-    to 1,024 programs, past one wave, so waiting programs share the SMs with those they wait on),
+    to 512 programs of 64×64 tiles, past one wave: programs that start late wait on earlier ones),
     autotuned, 20 calls each on fresh gates; every call's states equal to the three launches' to
     1e-6 and the flags and counter back at zero. A missed release or acquire shows as a wrong or
     changing answer; a deadlock as a hang (pytest's timeout)."""

@@ -2,12 +2,13 @@
 
     CHUNKSTATE_PROBE_ONE_LAUNCH=1 python -m chunkstate.bench.probe_one_launch
 
-On the H200 a piece's walk took 1.3-1.9x longer in the one launch than in the three launches'
-passes (figures/README.md, session 18). With the probe on, every program of a one-launch call
-records its SM, its ticket, and the GPU's globaltimer when it starts, when its walk starts (after
+On the H200 a piece's walk took 1.3-1.6x longer in the first one-launch design (twice the programs,
+half publishing, half storing) than in the three launches' passes (figures/README.md, session 18).
+With the probe on, every program of a one-launch call records its SM, its ticket, and the GPU's
+globaltimer when it starts, when its first walk has published, when its second walk starts (after
 folding in the contributions it waits for) and when it ends (``pieces.probe_mark``). This prints,
-per shape and direction, for each role (publishing, storing) and piece: how long the programs
-waited, how long they walked, per chunk, and how many programs shared an SM while walking; and,
+per shape and direction, the medians of the two walks (per chunk) and of the wait, and how many
+programs shared an SM; and,
 beside it, the three launches' time for the same call (do_bench) and the one launch's, and the
 host's time per call (``runner.host_time_us``) of each and of one pass. Last, on the smallest shape
 (host-bound: its GPU work is a few µs), cProfile's top functions for 200 calls of each path, to find
@@ -68,26 +69,21 @@ def main() -> None:
             t0 = min(r[2] for r in rows)
             rows = [[r[0], r[1]] + [(t - t0) % 2 ** 32 for t in r[2:]] for r in rows]  # ns from the first start
             n = len(rows)
-            half = n // 2
             chunks = -(-T // (P * BT))
             line = [f"{d} B{B} T{T} H{H} P{P}: do_bench three launches {ms[False]:.0f} us, one {ms[True]:.0f}, one pass "
                     f"{ms[None]:.0f}; host per call {host[False]:.0f} / {host[True]:.0f} / {host[None]:.0f} us; {n} programs"]
-            for role, sel in (("publish", [r for r in rows if r[1] < half]), ("store", [r for r in rows if r[1] >= half])):
-                waits = [(r[3] - r[2]) / 1e3 for r in sel]
-                walks = [(r[4] - r[3]) / 1e3 for r in sel]
-                ends = [r[4] / 1e3 for r in sel]
-                starts = [r[2] / 1e3 for r in sel]
-                line.append(f"  {role}: start {min(starts):.0f}-{max(starts):.0f} us, wait median {statistics.median(waits):.0f}"
-                            f" max {max(waits):.0f}, walk median {statistics.median(walks):.0f} max {max(walks):.0f} us"
-                            f" ({statistics.median(walks) / chunks * 1e3:.0f} ns/chunk if a whole piece), end max {max(ends):.0f} us")
-            # programs per SM while walking: for each walking program, how many others on its SM overlap its walk
-            share = []
-            for r in rows:
-                if r[4] - r[3] <= 0:
-                    continue
-                share.append(sum(1 for o in rows if o is not r and o[0] == r[0] and o[3] < r[4] and o[4] > r[3]))
-            line.append(f"  SMs used {len(set(r[0] for r in rows))}; programs overlapping a walk on its SM: "
-                        f"median {statistics.median(share) if share else 0}, max {max(share) if share else 0}")
+            # slots: 0 SM, 1 ticket, 2 start, 3 first walk published, 4 second walk starts (after the fold), 5 end
+            spans = {"first walk": (2, 3), "wait and fold": (3, 4), "second walk": (4, 5)}
+            for name, (a, b) in spans.items():
+                us = [(r[b] - r[a]) / 1e3 for r in rows]
+                line.append(f"  {name}: median {statistics.median(us):.0f} us, max {max(us):.0f}"
+                            + (f" ({statistics.median(us) / chunks * 1e3:.0f} ns a chunk)" if "walk" in name else ""))
+            line.append(f"  starts {min(r[2] for r in rows) / 1e3:.0f}-{max(r[2] for r in rows) / 1e3:.0f} us, "
+                        f"ends up to {max(r[5] for r in rows) / 1e3:.0f} us")
+            # programs per SM while walking: for each program, how many others on its SM overlap its life
+            share = [sum(1 for o in rows if o is not r and o[0] == r[0] and o[2] < r[5] and o[5] > r[2]) for r in rows]
+            line.append(f"  SMs used {len(set(r[0] for r in rows))}; programs overlapping one on its SM: "
+                        f"median {statistics.median(share)}, max {max(share)}")
             print("\n".join(line), flush=True)
 
 

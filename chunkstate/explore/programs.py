@@ -10,7 +10,7 @@ the map to what the real kernels write: every state element the map says a progr
 exactly an element the NaN-poisoned real output has filled.
 
 With ``pieces > 1`` the map is taken of the programs that store the states (the third step of
-``chunkstate.pieces``: in one launch, its second half of programs), over the pieces packed as
+``chunkstate.pieces``: in one launch, every program's second walk), over the pieces packed as
 ``pieces.run`` packs them.
 
 The bytes of a row follow a simple model (``ProgramMap`` docstring): each program reads each of its
