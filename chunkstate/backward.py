@@ -33,7 +33,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
                            sequence_bounds, store_decays, store_state)
-from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
+from .pieces import fold_contributions, piece_role, publish_contribution
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -113,12 +113,10 @@ def chunk_bwd_kernel_dh(
         if walk == 0:
             n_chunks = tl.where(i_n > p_first, NT, 0)
         elif LOOK_BACK:  # the gradient leaving the piece: dht, carried back across the pieces after it
-            probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the first walk published
             if USE_FINAL_STATE_GRADIENT:
                 b_dh = load_state(dht + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
             b_dh = fold_contributions(b_dh, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_last,
                                       p_last - i_n, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, True)
-            probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the second walk starts
         elif USE_FINAL_STATE_GRADIENT:
             b_dh = load_state(dht + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
         b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (STORE_DECAY, walk 0)
@@ -173,7 +171,6 @@ def chunk_bwd_kernel_dh(
         if STORE_INITIAL_STATE_GRADIENT:
             if i_n == p_first:  # the sequence's first piece ends, walking back, where the sequence starts
                 store_state(dh0 + (i_seq * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
-        probe_mark(counter, 5)  # WIP diagnostic (pieces.PROBE): the program ends
     else:
         if STORE_INITIAL_STATE_GRADIENT:
             store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)

@@ -25,7 +25,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
                            store_state)
-from .pieces import probe_mark, fold_contributions, piece_role, publish_contribution
+from .pieces import fold_contributions, piece_role, publish_contribution
 
 
 @triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK", "SMEM"])
@@ -101,12 +101,10 @@ def chunk_fwd_kernel_h(
         if walk == 0:
             n_chunks = tl.where(i_n < p_last, NT, 0)
         elif LOOK_BACK:  # the piece's true start: h0, carried across the pieces before it
-            probe_mark(counter, 3)  # WIP diagnostic (pieces.PROBE): the first walk published
             if USE_INITIAL_STATE:
                 b_h = load_state(h0 + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
             b_h = fold_contributions(b_h, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_first,
                                      i_n - p_first, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, False)
-            probe_mark(counter, 4)  # WIP diagnostic (pieces.PROBE): the second walk starts
         elif USE_INITIAL_STATE:
             b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
         b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (STORE_DECAY, walk 0)
@@ -154,7 +152,6 @@ def chunk_fwd_kernel_h(
         if STORE_FINAL_STATE:
             if i_n == p_last:  # the sequence's last piece ends where the sequence does
                 store_state(ht + (i_seq * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-        probe_mark(counter, 5)  # WIP diagnostic (pieces.PROBE): the program ends
     else:
         if STORE_FINAL_STATE:
             store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)

@@ -36,7 +36,6 @@ launch) or twice (three launches, with ``scan`` between).
 from __future__ import annotations
 
 import functools
-import os as _os
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -49,11 +48,6 @@ from .env import INTERPRET
 from .kernel_parts import load_state, load_state_cached, program_tile, store_state, tile_of
 from .launch import Problem, launch_plain, serialised
 
-# WIP diagnostic (branch only): CHUNKSTATE_PROBE_ONE_LAUNCH=1 before import makes every program of a
-# one-launch call record [SM id, ticket, start, first walk published, second walk's start, end]
-# (globaltimer_lo, ns) in int32 slots after the ticket counter (probe_mark; bench/probe_one_launch.py)
-PROBE = tl.constexpr(_os.environ.get("CHUNKSTATE_PROBE_ONE_LAUNCH", "0") == "1" and not INTERPRET)
-PROBE_SLOTS = tl.constexpr(6)
 ONE_LAUNCH = True  # a call in pieces is one launch (the kernels' LOOK_BACK); False: the three launches
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
@@ -282,28 +276,6 @@ def piece_scan_kernel(
 # session 18.)
 
 @triton.jit
-def probe_mark(counter, slot: tl.constexpr):
-    """``PROBE`` only: the GPU's globaltimer (low 32 bits, ns) into this program's ``slot`` of the
-    probe (slot 2, the start, also stores the SM id into slot 0)."""
-    if PROBE:
-        pid = tl.program_id(0)
-        base = counter + 1 + pid.to(tl.int64) * PROBE_SLOTS
-        t = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [pid], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        tl.store(base + slot, t)
-        if slot == 2:
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=tl.int32, is_pure=False, pack=1)
-            tl.store(base, sm)
-
-
-@triton.jit
-def probe_ticket(counter, ticket):
-    """``PROBE`` only: the program's ticket into slot 1 of its probe."""
-    if PROBE:
-        tl.store(counter + 1 + tl.program_id(0).to(tl.int64) * PROBE_SLOTS + 1, ticket)
-
-
-@triton.jit
 def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
     """Which piece and tile this program of a one-launch call in pieces walks, from the order programs
@@ -316,8 +288,6 @@ def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr,
     ticket = tl.atomic_add(counter, 1)
     if ticket == n - 1:  # every program holds its ticket: the next launch starts at 0
         tl.atomic_xchg(counter, 0)
-    probe_ticket(counter, ticket)
-    probe_mark(counter, 2)
     order = ticket
     if REVERSE:
         order = n - 1 - ticket
@@ -421,9 +391,8 @@ def _look_back_workspace(NP: int, p: Problem, use_gv: bool, device):
     if views is None:
         F, _, decay_k, decay_v = _new_workspace(NP, p, use_gv, device, with_S=False)
         n_flags = NP * p.H * _host.cdiv(p.K, MIN_TILE) * _host.cdiv(p.V, MIN_TILE)
-        probe = n_flags * PROBE_SLOTS.value if PROBE else 0  # WIP diagnostic slots (probe_mark)
-        sync = torch.zeros(n_flags + 1 + probe, dtype=torch.int32, device=device)
-        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the counter, then the probe's slots
+        sync = torch.zeros(n_flags + 1, dtype=torch.int32, device=device)
+        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the flags, then the counter
         if capturing or F.untyped_storage().nbytes() > MAX_KEPT_BYTES:
             return views
         _WORKSPACES[key] = views

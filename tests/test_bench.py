@@ -589,9 +589,8 @@ def test_the_import_check_sees_every_spelling():
 def test_only_the_benchmark_imports_the_runner():
     """The exercises, figures, tests helpers and the rest of the package read the model; the GPU
     side (``chunkstate.bench.runner``) is imported by the benchmark's command line, ``--gla`` and
-    ``--calibrate`` only (and, on the one-launch branch, its probe)."""
-    allowed = {PACKAGE / "bench" / name for name in ("__main__.py", "gla.py", "runner.py", "calibrate.py",
-                                                     "probe_one_launch.py")}
+    ``--calibrate`` only."""
+    allowed = {PACKAGE / "bench" / name for name in ("__main__.py", "gla.py", "runner.py", "calibrate.py")}
     checked = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path in allowed:
