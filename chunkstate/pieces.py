@@ -15,18 +15,18 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
    would have stored them (pieces are whole splits, so the state slots line up).
 
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
-their inputs twice (1.5× the unsplit bytes). As three launches a call cost the host 90-320 µs on
-H200 machines whatever its size, against 30-90 µs for one, so by default (``ONE_LAUNCH``) the three
-steps are one launch of one program per piece and tile (the kernels' ``LOOK_BACK``), each walking
-its piece twice: first from zero (step 1), publishing ``f_p`` and the decays behind a flag; then
-from its true start, storing its states (step 3), after folding in the contributions of the pieces
-before its own (in reverse: after it) as step 2's scan would, in the scan's order and arithmetic.
-A program publishes before it waits, and waits only on programs that took earlier tickets, so
-have started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions``,
-``publish_contribution``). A batch with an empty sequence, which owns no piece and so no program
-to store its end state, takes the three launches. The pieces pay only for long sequences far below one wave of programs:
-``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``; its
-fixed costs are the three launches', not yet measured again for one), and
+their inputs twice (1.5× the unsplit bytes). By default (``ONE_LAUNCH``) the three steps are one
+launch of one program per piece and tile (the kernels' ``LOOK_BACK``), each walking its piece
+twice: first from zero (step 1), publishing ``f_p`` and the decays behind a flag; then from its
+true start, storing its states (step 3), after folding in the contributions of the pieces before
+its own (in reverse: after it) as step 2's scan would, in the scan's order and arithmetic. A
+program publishes before it waits, and waits only on programs that took earlier tickets, so have
+started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions``,
+``publish_contribution``). As three launches a call in pieces cost an H200's host 90-320 µs
+whatever its size; as one, 37-68 µs against one pass's 29-59 (figures/README.md, session 19). A
+batch with an empty sequence, which owns no piece and so no program to store its end state, takes
+the three launches. The pieces pay only for long sequences far below one wave of programs:
+``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
@@ -57,7 +57,7 @@ class Cost(NamedTuple):
     """The constants of the cost model behind ``auto_pieces`` for one direction, in µs."""
     step_us: float  # one pass: one chunk step of a program's walk, far below one wave (latency-bound)
     piece_step_us: float  # a call in pieces: one chunk step of a piece, either pass
-    fixed_us: float  # a call in pieces however little it holds: the host's time for its three launches
+    fixed_us: float  # a call in pieces however little it holds: the host's time for its one launch
     one_pass_fixed_us: float  # a one-pass call however little it holds: the host's time for one launch
     overlap: float  # programs per multiprocessor whose chunk steps overlap: past sms × overlap programs,
     # a step takes longer in proportion
@@ -65,30 +65,34 @@ class Cost(NamedTuple):
 
 # Measured on an H200. The steps by ``python -m chunkstate.bench --calibrate``
 # (figures/pieces_calibration_h200.json), each where the others vanish, with few programs (one wave),
-# gate g, bf16, final states. The two fixed costs are the host's, and hosts and processes differ: the
-# same host-bound call (``bench.HOST_PROBE``, 2 pieces or one pass) was timed five times on two
-# machines, by that calibration and by four host probes in two processes on another H200 machine
-# (figures/README.md, "2026-12-04, at 936fe33"): 67-162 µs forward and 78-226 µs backward in pieces.
-# The model holds the medians, so that it cuts only where the pieces save more than a typical host's
-# time for the two extra launches. The overlap: a program waits on memory most of its step, so two
-# on one multiprocessor take little longer than one. It is fitted to the explicit piece counts timed
-# in the three random runs of 2026-12-04 (62 cases; figures/README.md, "2026-12-04, session 15"):
-# with 2 the model's count was within 3 % of the best in 59 of 62, with 1 (or less) in 55.
-# ``--calibrate``'s own measurement (32 pieces of B1 H2 K = V = 128, 256 programs) gave 0.65: there
-# a step moves 2-4 TB/s and is bound by memory bandwidth, which the model has no term for; the
-# model keeps the value that decides best on the random shapes.
-COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0, overlap=2.0),
-         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0, overlap=2.0)}
+# gate g, bf16, final states; the piece steps are the one launch's (session 19; the three launches'
+# passes measured 0.326 and 0.376 µs, session 15, and the one-pass steps came out the same to 1 ns).
+# The two fixed costs are the host's, and hosts and processes differ. One pass: the same host-bound
+# call (``bench.HOST_PROBE``) timed five times on two machines (figures/README.md, "2026-12-04, at
+# 936fe33"), the medians. In pieces, one launch: the same call in 2 pieces timed in three processes
+# on two H200 machines (figures/README.md, session 19): 37, 49 and 68 µs forward, 39, 50 and 56
+# backward, the medians; the three launches had cost 90 and 179 µs by the same measure. The overlap:
+# a program waits on memory most of its step, so two on one multiprocessor take little longer than
+# one. It is fitted to the explicit piece counts timed in the three random runs of 2026-12-04 (62
+# cases; figures/README.md, "2026-12-04, session 15"): with 2 the model's count was within 3 % of the
+# best in 59 of 62, with 1 (or less) in 55. ``--calibrate``'s own measurement (32 pieces of B1 H2
+# K = V = 128, 256 programs) gave 0.63-0.66: there a step moves 2-4 TB/s and is bound by memory
+# bandwidth, which the model has no term for; the model keeps the value that decides best on the
+# random shapes.
+COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.339, fixed_us=49.0, one_pass_fixed_us=29.0, overlap=2.0),
+         "bwd": Cost(step_us=0.418, piece_step_us=0.374, fixed_us=50.0, one_pass_fixed_us=33.0, overlap=2.0)}
 # The chunk step depends on the gate: what a step loads and multiplies besides k and v. The steps above
 # are gate g's; ``GATE_STEPS`` scales them for the other gate kinds (``gate_kind``), the ratios of the
-# steps ``--calibrate`` measured for each kind to g's on its first shape (one pass | in pieces):
-# fwd none 0.235 | 0.244, g 0.372 | 0.331, g_gamma 0.311 | 0.307, gk 0.542 | 0.550 µs;
-# bwd none 0.344 | 0.323, g 0.398 | 0.371, g_gamma 0.326 | 0.330, gk 0.810 | 0.663 µs
-# (figures/pieces_calibration_h200.json, 2026-12-04). gk's step is 1.5-2× g's: the key gate is a
-# [BT, BK] tile loaded and exponentiated every chunk, where g is a [BT] vector.
-GATE_STEPS = {"fwd": {"none": (0.63, 0.74), "g": (1.0, 1.0), "g_gamma": (0.84, 0.93), "gk": (1.46, 1.66)},
-              "bwd": {"none": (0.87, 0.87), "g": (1.0, 1.0), "g_gamma": (0.82, 0.89), "gk": (2.04, 1.79)}}
-SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
+# steps ``--calibrate`` measured for each kind to g's on its first shape (one pass | in pieces, one
+# launch): fwd none 0.235 | 0.232, g 0.372 | 0.336, g_gamma 0.312 | 0.310, gk 0.538 | 0.558 µs;
+# bwd none 0.345 | 0.328, g 0.391 | 0.379, g_gamma 0.326 | 0.330, gk 0.818 | 0.602 µs
+# (figures/pieces_calibration_h200.json, session 19; the one-pass ratios are session 15's, which
+# these match to 0.06). gk's step is 1.5-2× g's: the key gate is a [BT, BK] tile loaded and
+# exponentiated every chunk, where g is a [BT] vector.
+GATE_STEPS = {"fwd": {"none": (0.63, 0.69), "g": (1.0, 1.0), "g_gamma": (0.84, 0.92), "gk": (1.46, 1.66)},
+              "bwd": {"none": (0.87, 0.87), "g": (1.0, 1.0), "g_gamma": (0.82, 0.87), "gk": (2.04, 1.59)}}
+SCAN_US = 5.0  # the carry between a piece's walks: in one launch its wait and fold (medians 1-8 µs on
+# the H200 with the walks in step, figures/README.md, session 19); in three, the scan kernel (3 µs)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
 
@@ -120,7 +124,8 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
     (``gate_kind``) whose launch has ``programs`` programs, each walking ``chunks`` chunks (the
     longest sequence's), cut into ``pieces`` (1: one pass) on ``sms`` multiprocessors:
     latency-bound chunk steps, each as long as ``waves`` says for the programs launched, and for
-    pieces twice over (the two passes) on ``pieces`` times the programs, plus the scan; never under
+    pieces twice over (each piece walked twice) on ``pieces`` times the programs, plus the carry
+    between the walks (``SCAN_US``); never under
     the host's time for the call (``COSTS``). Each step is g's scaled by the gate's ratios
     (``GATE_STEPS``)."""
     c = COSTS[direction]
