@@ -33,6 +33,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
                            sequence_bounds, store_decays, store_state)
+from .pieces import fold_contributions, piece_role, publish_contribution
 
 
 # ``scale`` is never specialised: an integer 1 specialised away makes Triton 3.6's ptxas
@@ -52,6 +53,11 @@ def chunk_bwd_kernel_dh(
     split_offsets,  # [N + 1] first split slot of each packed sequence
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
+    counter,  # [1] int32 (LOOK_BACK): hands out the programs' tickets; 0 between launches
+    flags,  # int32 (LOOK_BACK): per piece, head and tile, the readers its contribution has left; 0 between launches
+    contributions,  # [N, H, K, V] fp32 (LOOK_BACK): each piece's gradient leaving its start, from a zero one at its end
+    piece_seq,  # [N] (LOOK_BACK): the sequence each piece belongs to
+    seq_pieces,  # [sequences + 1] (LOOK_BACK): each sequence's first piece
     scale,
     T,
     OCCUPANCY,  # autotune key only, never specialised: the launch's size against the SM count (tuning.launch_bucket)
@@ -76,9 +82,14 @@ def chunk_bwd_kernel_dh(
     STORE_STATES: tl.constexpr = True,  # False: only dh0 (and decays): the pieces' first pass
     STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load q, do, gk, gv through TMA descriptors (a config choice)
+    LOOK_BACK: tl.constexpr = False,  # the N sequences are pieces, each walked twice in one launch (pieces)
 ):
     HQ: tl.constexpr = H * NG
-    i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
+    if LOOK_BACK:  # a piece: walked from zero to publish what it adds, then from its true end storing gradients
+        i_nh, i_n, i_h, i_k, i_v, i_seq, p_first, p_last = piece_role(counter, piece_seq, seq_pieces, H, K, V, BK, BV,
+                                                                      True)
+    else:
+        i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)  # a tile of one (sequence, KV head)
     bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     NT = tl.cdiv(T, BT)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
@@ -94,63 +105,84 @@ def chunk_bwd_kernel_dh(
     if USE_G_GAMMA:
         b_gamma = load_gamma(g_gamma, i_h)
 
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
-    if USE_FINAL_STATE_GRADIENT:
-        b_dh = load_state(dht + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
-    b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
-    b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
+    # The walk over the chunks (in reverse), once; with LOOK_BACK twice (unrolled): walk 0 from zero, to publish
+    # the piece's contribution (not the first piece's: nothing before it reads one), then walk 1 from its true end
+    for walk in tl.static_range(0 if LOOK_BACK else 1, 2):
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+        n_chunks = NT
+        if walk == 0:
+            n_chunks = tl.where(i_n > p_first, NT, 0)
+        elif LOOK_BACK:  # the gradient leaving the piece: dht, carried back across the pieces after it
+            if USE_FINAL_STATE_GRADIENT:
+                b_dh = load_state(dht + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+            b_dh = fold_contributions(b_dh, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_last,
+                                      p_last - i_n, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, True)
+        elif USE_FINAL_STATE_GRADIENT:
+            b_dh = load_state(dht + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+        b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (STORE_DECAY, walk 0)
+        b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
-    for i_t in range(NT - 1, -1, -1):
-        if STORE_STATES:  # the chunk closes a split (or the sequence): store the gradient leaving it
-            if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
-                i_s = boh + i_t // CHUNKS_PER_SPLIT
-                store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
-        m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
-        b_gq = tl.zeros([BT], dtype=tl.float32)  # [BT] the scalar gates' G_i: q's decay from the chunk's start
-        if USE_G:  # scalar gate: all of dh, and q's tokens
-            b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
-            b_dh *= tl.math.exp2(b_g_last)
-            b_gq += b_g
-            b_decay_k += b_g_last
-        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
-            b_gg, b_gg_last, _ = constant_gate(b_gamma, i_t, T, BT)  # [BT] G, Γ
-            b_dh *= tl.math.exp2(b_gg_last)
-            b_gq += b_gg
-            b_decay_k += b_gg_last
-        if USE_GK:  # key gate: dh's rows (and q per key, in query_factor)
-            b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
-            b_dh *= tl.math.exp2(b_gk_last)[:, None]
-            b_decay_k += b_gk_last
-        if USE_GV:  # value gate: dh's columns, and do per value
-            b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
-            b_dh *= tl.math.exp2(b_gv_last)[None, :]
-            b_decay_v += b_gv_last
-            b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
-            b_dof = tl.where(m_t[:, None], tl.math.exp2(b_gv), 0.0)  # [BT, BV]
-        b_qf = query_factor(src_gk, b_gq, scale, i_t, i_h, i_k, T, H, K, BT, BK, USE_GK, USE_TMA)  # scale·2^{G}
+        for i_t in range(n_chunks - 1, -1, -1):
+            if STORE_STATES and walk == 1:  # the chunk closes a split (or the sequence): store the gradient leaving it
+                if (i_t % CHUNKS_PER_SPLIT == CHUNKS_PER_SPLIT - 1) | (i_t == NT - 1):
+                    i_s = boh + i_t // CHUNKS_PER_SPLIT
+                    store_state(dh + (i_s * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+            m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
+            b_gq = tl.zeros([BT], dtype=tl.float32)  # [BT] the scalar gates' G_i: q's decay from the chunk's start
+            if USE_G:  # scalar gate: all of dh, and q's tokens
+                b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
+                b_dh *= tl.math.exp2(b_g_last)
+                b_gq += b_g
+                b_decay_k += b_g_last
+            if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
+                b_gg, b_gg_last, _ = constant_gate(b_gamma, i_t, T, BT)  # [BT] G, Γ
+                b_dh *= tl.math.exp2(b_gg_last)
+                b_gq += b_gg
+                b_decay_k += b_gg_last
+            if USE_GK:  # key gate: dh's rows (and q per key, in query_factor)
+                b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
+                b_dh *= tl.math.exp2(b_gk_last)[:, None]
+                b_decay_k += b_gk_last
+            if USE_GV:  # value gate: dh's columns, and do per value
+                b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
+                b_dh *= tl.math.exp2(b_gv_last)[None, :]
+                b_decay_v += b_gv_last
+                b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
+                b_dof = tl.where(m_t[:, None], tl.math.exp2(b_gv), 0.0)  # [BT, BV]
+            b_qf = query_factor(src_gk, b_gq, scale, i_t, i_h, i_k, T, H, K, BT, BK, USE_GK, USE_TMA)  # scale·2^{G}
 
-        # The chunk's outputs, summed over the NG = HQ / H query heads that read this KV head. A loop, not
-        # tl.static_range: the software pipeliner multi-buffers every unrolled head's tiles (fp32
-        # with NG = 8 then needs 320 KB of shared memory at BK = BV = 64, over an H200's 227 KB).
-        for i_g in range(NG):
-            b_q = load_scaled_query(src_q, b_qf, i_t, i_h * NG + i_g, i_k, T, HQ, K, BT, BK, USE_TMA)  # [BK, BT]
-            b_do = load_rows(src_do, i_t, i_h * NG + i_g, i_v, T, HQ, V, BT, BV, USE_TMA)  # [BT, BV]
-            if USE_GV:
-                b_do = (b_do.to(tl.float32) * b_dof).to(b_do.dtype)
-            # dh += qᵀ do: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
-            b_dh = tl.dot(b_q, b_do, b_dh)
+            # The chunk's outputs, summed over the NG = HQ / H query heads that read this KV head. A loop, not
+            # tl.static_range: the software pipeliner multi-buffers every unrolled head's tiles (fp32
+            # with NG = 8 then needs 320 KB of shared memory at BK = BV = 64, over an H200's 227 KB).
+            for i_g in range(NG):
+                b_q = load_scaled_query(src_q, b_qf, i_t, i_h * NG + i_g, i_k, T, HQ, K, BT, BK, USE_TMA)  # [BK, BT]
+                b_do = load_rows(src_do, i_t, i_h * NG + i_g, i_v, T, HQ, V, BT, BV, USE_TMA)  # [BT, BV]
+                if USE_GV:
+                    b_do = (b_do.to(tl.float32) * b_dof).to(b_do.dtype)
+                # dh += qᵀ do: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
+                b_dh = tl.dot(b_q, b_do, b_dh)
 
-    if STORE_INITIAL_STATE_GRADIENT:
-        store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
-    if STORE_DECAY:
-        store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
+        if walk == 0:
+            if i_n > p_first:
+                publish_contribution(contributions, decay_k, decay_v, flags, b_dh, b_decay_k, b_decay_v, i_nh, i_k,
+                                     i_v, i_n - p_first, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
+
+    if LOOK_BACK:
+        if STORE_INITIAL_STATE_GRADIENT:
+            if i_n == p_first:  # the sequence's first piece ends, walking back, where the sequence starts
+                store_state(dh0 + (i_seq * H + i_h) * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+    else:
+        if STORE_INITIAL_STATE_GRADIENT:
+            store_state(dh0 + i_nh * K * V, b_dh, o_k, o_v, K, V, STATE_V_FIRST)
+        if STORE_DECAY:
+            store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
 
 
 _tuned_backward = triton.autotune(
     configs=tuning.CONFIGS,
     key=["K", "V", "NG", "BT", "BS", "OCCUPANCY", "TMA_OK", "SMEM", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
          "STATE_V_FIRST", "USE_FINAL_STATE_GRADIENT", "STORE_INITIAL_STATE_GRADIENT", "IS_VARLEN", "STORE_STATES",
-         "STORE_DECAY"],
+         "STORE_DECAY", "LOOK_BACK"],
     prune_configs_by={"early_config_prune": tuning.Pruner(chunk_bwd_kernel_dh)},
     do_bench=tuning.autotune_timing,
 )(chunk_bwd_kernel_dh)
@@ -266,15 +298,18 @@ def chunk_bwd_dh(
 
 
 def _backward_pass(q, do, g, g_gamma, gk, gv, scale, p: launch.Problem, config, *, cu_seqlens, split_offsets, N,
-                   states, start, end, decay_k=None, decay_v=None) -> None:
+                   states, start, end, decay_k=None, decay_v=None, look_back=None) -> None:
     """One launch of the backward kernel over N sequences (``states`` None: store none, only
-    ``end`` and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
+    ``end`` and, given ``decay_k``, each sequence's total decay: the pieces' first pass; ``look_back``:
+    the N sequences are pieces run in one launch, ``pieces.run_one_launch``'s buffers by name)."""
     args = dict(q=q, do=do, dh=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=start, dh0=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 scale=scale, T=q.shape[1], H=p.H, NG=q.shape[2] // p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_FINAL_STATE_GRADIENT=start is not None,
                 STORE_INITIAL_STATE_GRADIENT=end is not None, IS_VARLEN=cu_seqlens is not None,
-                STATE_V_FIRST=p.state_v_first, STORE_STATES=states is not None, STORE_DECAY=decay_k is not None)
-    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N, H=p.H, K=p.K, V=p.V, config=config,
-               tma_inputs=dict(q=q, do=do, gk=gk, gv=gv))
+                STATE_V_FIRST=p.state_v_first, STORE_STATES=states is not None,
+                STORE_DECAY=decay_k is not None and look_back is None, LOOK_BACK=look_back is not None,
+                **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
+    launch.run(_tuned_backward, chunk_bwd_kernel_dh, args, N=N, H=p.H, K=p.K, V=p.V,
+               config=config, tma_inputs=dict(q=q, do=do, gk=gk, gv=gv))

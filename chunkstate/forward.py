@@ -25,6 +25,7 @@ from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
                            store_state)
+from .pieces import fold_contributions, piece_role, publish_contribution
 
 
 @triton.jit(do_not_specialize=["T", "OCCUPANCY", "TMA_OK", "SMEM"])
@@ -42,6 +43,11 @@ def chunk_fwd_kernel_h(
     split_offsets,  # [N + 1] first split slot of each packed sequence
     decay_k,  # [N, H, K] out: each sequence's total key-side log2 decay (STORE_DECAY)
     decay_v,  # [N, H, V] out: each sequence's total value-side log2 decay (STORE_DECAY and USE_GV)
+    counter,  # [1] int32 (LOOK_BACK): hands out the programs' tickets; 0 between launches
+    flags,  # int32 (LOOK_BACK): per piece, head and tile, the readers its contribution has left; 0 between launches
+    contributions,  # [N, H, K, V] fp32 (LOOK_BACK): each piece's final state from a zero start
+    piece_seq,  # [N] (LOOK_BACK): the sequence each piece belongs to
+    seq_pieces,  # [sequences + 1] (LOOK_BACK): each sequence's first piece
     T,
     OCCUPANCY,  # autotune key only, never specialised: the launch's size against the SM count (tuning.launch_bucket)
     TMA_OK,  # autotune key only: 1 when k, v, gk, gv can be read through TMA descriptors
@@ -65,9 +71,14 @@ def chunk_fwd_kernel_h(
     STORE_DECAY: tl.constexpr = False,  # store each sequence's total decay (decay_k, decay_v)
     USE_TMA: tl.constexpr = False,  # load k, v, gk, gv through TMA descriptors (a config choice)
     NARROW_V: tl.constexpr = False,  # scale v by g or g_gamma in v's own dtype (one scalar gate alone; tuning.narrow_v)
+    LOOK_BACK: tl.constexpr = False,  # the N sequences are pieces, each walked twice in one launch (pieces)
 ):
     tl.static_assert(not NARROW_V or (USE_G != USE_G_GAMMA and not USE_GV), "NARROW_V is for one scalar gate alone")
-    i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)
+    if LOOK_BACK:  # a piece: walked from zero to publish what it adds, then from its true start storing states
+        i_nh, i_n, i_h, i_k, i_v, i_seq, p_first, p_last = piece_role(counter, piece_seq, seq_pieces, H, K, V, BK, BV,
+                                                                      False)
+    else:
+        i_nh, i_n, i_h, i_k, i_v = program_tile(H, K, V, BK, BV)
     bos, T, boh = sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS, IS_VARLEN, STORE_STATES)
     CHUNKS_PER_SPLIT: tl.constexpr = BS // BT
     src_k = chunk_rows(k, bos, T, H, K, BT, BK, USE_TMA)  # this sequence's rows of k, v, gk, gv
@@ -80,56 +91,79 @@ def chunk_fwd_kernel_h(
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     if USE_G_GAMMA:
         b_gamma = load_gamma(g_gamma, i_h)
+    NT = tl.cdiv(T, BT)
 
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
-    if USE_INITIAL_STATE:
-        b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
-    b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (for STORE_DECAY)
-    b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
+    # The walk over the chunks, once; with LOOK_BACK twice (unrolled): walk 0 from zero, to publish the
+    # piece's contribution (not the last piece's: nothing after it reads one), then walk 1 from its true start
+    for walk in tl.static_range(0 if LOOK_BACK else 1, 2):
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+        n_chunks = NT
+        if walk == 0:
+            n_chunks = tl.where(i_n < p_last, NT, 0)
+        elif LOOK_BACK:  # the piece's true start: h0, carried across the pieces before it
+            if USE_INITIAL_STATE:
+                b_h = load_state(h0 + (i_seq * H + i_h) * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+            b_h = fold_contributions(b_h, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_first,
+                                     i_n - p_first, o_k, o_v, H, K, V, BK, BV, USE_GV, STATE_V_FIRST, False)
+        elif USE_INITIAL_STATE:
+            b_h = load_state(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_V_FIRST)
+        b_decay_k = tl.zeros([BK], dtype=tl.float32)  # [BK] Σ of the chunks' Γ, key side (STORE_DECAY, walk 0)
+        b_decay_v = tl.zeros([BV], dtype=tl.float32)  # [BV] value side
 
-    for i_t in range(0, tl.cdiv(T, BT)):
-        if STORE_STATES:
-            if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
-                i_s = boh + i_t // CHUNKS_PER_SPLIT
-                store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-        m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
-        b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
-        b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
-        if USE_G:  # scalar gate: all of h, and v's rows
-            b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
-            b_h *= tl.math.exp2(b_g_last)
-            b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
-            b_decay_k += b_g_last
-        if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
-            _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
-            b_h *= tl.math.exp2(b_gg_last)
-            b_v = decay_rows(b_v, b_gg_to_end, m_t, NARROW_V)
-            b_decay_k += b_gg_last
-        if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
-            b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
-            b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
-            b_h *= tl.math.exp2(b_gk_last)[:, None]
-            b_k = b_k.to(tl.float32) * tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
-            b_decay_k += b_gk_last
-        if USE_GV:  # value gate: h's columns, and v's
-            b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
-            b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
-            b_h *= tl.math.exp2(b_gv_last)[None, :]
-            b_v = b_v.to(tl.float32) * tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
-            b_decay_v += b_gv_last
-        # h += kᵀ v: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
-        b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
+        for i_t in range(0, n_chunks):
+            if STORE_STATES and walk == 1:
+                if i_t % CHUNKS_PER_SPLIT == 0:  # the chunk opens a split: store the state entering it
+                    i_s = boh + i_t // CHUNKS_PER_SPLIT
+                    store_state(h + (i_s * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+            m_t = chunk_mask(i_t, T, BT)  # [BT] which of the chunk's rows lie inside the sequence
+            b_k = load_rows_t(src_k, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA)  # [BK, BT] k, transposed
+            b_v = load_rows(src_v, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA)  # [BT, BV]
+            if USE_G:  # scalar gate: all of h, and v's rows
+                b_g, b_g_last = scalar_gate(g, bos, i_h, i_t, T, H, BT)  # [BT], Γ
+                b_h *= tl.math.exp2(b_g_last)
+                b_v = decay_rows(b_v, b_g_last - b_g, m_t, NARROW_V)
+                b_decay_k += b_g_last
+            if USE_G_GAMMA:  # constant gate: G_i = γ·(i+1)
+                _, b_gg_last, b_gg_to_end = constant_gate(b_gamma, i_t, T, BT)  # Γ, [BT] Γ − G
+                b_h *= tl.math.exp2(b_gg_last)
+                b_v = decay_rows(b_v, b_gg_to_end, m_t, NARROW_V)
+                b_decay_k += b_gg_last
+            if USE_GK:  # key gate: h's rows, and k's columns (its tokens)
+                b_gk = load_rows_t(src_gk, i_t, i_h, i_k, T, H, K, BT, BK, USE_TMA).to(tl.float32)  # [BK, BT]
+                b_gk_last = gate_last(gk, bos, i_h, i_t, i_k, T, H, K, BT, BK)  # [BK]
+                b_h *= tl.math.exp2(b_gk_last)[:, None]
+                b_k = b_k.to(tl.float32) * tl.where(m_t[None, :], tl.math.exp2(b_gk_last[:, None] - b_gk), 0.0)
+                b_decay_k += b_gk_last
+            if USE_GV:  # value gate: h's columns, and v's
+                b_gv = load_rows(src_gv, i_t, i_h, i_v, T, H, V, BT, BV, USE_TMA).to(tl.float32)  # [BT, BV]
+                b_gv_last = gate_last(gv, bos, i_h, i_t, i_v, T, H, V, BT, BV)  # [BV]
+                b_h *= tl.math.exp2(b_gv_last)[None, :]
+                b_v = b_v.to(tl.float32) * tl.where(m_t[:, None], tl.math.exp2(b_gv_last[None, :] - b_gv), 0.0)
+                b_decay_v += b_gv_last
+            # h += kᵀ v: [BK, BT] @ [BT, BV] in the inputs' dtype, accumulated in fp32
+            b_h = tl.dot(b_k.to(k.dtype.element_ty), b_v.to(k.dtype.element_ty), b_h)
 
-    if STORE_FINAL_STATE:
-        store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
-    if STORE_DECAY:
-        store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
+        if walk == 0:
+            if i_n < p_last:
+                publish_contribution(contributions, decay_k, decay_v, flags, b_h, b_decay_k, b_decay_v, i_nh, i_k,
+                                     i_v, p_last - i_n, o_k, o_v, K, V, BK, BV, USE_GV, STATE_V_FIRST)
+
+    if LOOK_BACK:
+        if STORE_FINAL_STATE:
+            if i_n == p_last:  # the sequence's last piece ends where the sequence does
+                store_state(ht + (i_seq * H + i_h) * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+    else:
+        if STORE_FINAL_STATE:
+            store_state(ht + i_nh * K * V, b_h, o_k, o_v, K, V, STATE_V_FIRST)
+        if STORE_DECAY:
+            store_decays(decay_k, decay_v, i_nh, b_decay_k, b_decay_v, i_k, i_v, K, V, BK, BV, USE_GV)
 
 
 _tuned_forward = triton.autotune(
     configs=tuning.CONFIGS,
     key=["K", "V", "BT", "BS", "OCCUPANCY", "TMA_OK", "SMEM", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV",
-         "STATE_V_FIRST", "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY"],
+         "STATE_V_FIRST", "USE_INITIAL_STATE", "STORE_FINAL_STATE", "IS_VARLEN", "STORE_STATES", "STORE_DECAY",
+         "LOOK_BACK"],
     prune_configs_by={"early_config_prune": tuning.Pruner(chunk_fwd_kernel_h)},
     do_bench=tuning.autotune_timing,
 )(chunk_fwd_kernel_h)
@@ -232,9 +266,10 @@ def _narrow_v_applies(g, g_gamma, gv) -> bool:
 
 
 def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seqlens, split_offsets, N, states,
-                  start, end, decay_k=None, decay_v=None) -> None:
+                  start, end, decay_k=None, decay_v=None, look_back=None) -> None:
     """One launch of the forward kernel over N sequences (``states`` None: store none, only ``end``
-    and, given ``decay_k``, each sequence's total decay: the pieces' first pass)."""
+    and, given ``decay_k``, each sequence's total decay: the pieces' first pass; ``look_back``: the
+    N sequences are pieces run in one launch, ``pieces.run_one_launch``'s buffers by name)."""
     narrow = _narrow_v_applies(g, g_gamma, gv) and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V))
     args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
@@ -242,6 +277,8 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_INITIAL_STATE=start is not None, STORE_FINAL_STATE=end is not None,
                 IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=p.state_v_first,
-                STORE_STATES=states is not None, STORE_DECAY=decay_k is not None, NARROW_V=narrow)
-    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, H=p.H, K=p.K, V=p.V, config=config,
-               tma_inputs=dict(k=k, v=v, gk=gk, gv=gv))
+                STORE_STATES=states is not None, STORE_DECAY=decay_k is not None and look_back is None,
+                NARROW_V=narrow, LOOK_BACK=look_back is not None,
+                **(look_back or dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)))
+    launch.run(_tuned_forward, chunk_fwd_kernel_h, args, N=N, H=p.H, K=p.K, V=p.V,
+               config=config, tma_inputs=dict(k=k, v=v, gk=gk, gv=gv))

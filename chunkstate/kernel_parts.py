@@ -32,9 +32,14 @@ def program_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.const
     """Which [BK, BV] tile of which (sequence, head) this program owns, from a flat 1-D grid (no
     65,535 limit): the tiles of one head are neighbours, so they share k, v (q, do) in L2.
     Returns (i_nh, i_n, i_h) as int64 and (i_k, i_v) as int32."""
+    return tile_of(tl.program_id(0).to(tl.int64), H, K, V, BK, BV)
+
+
+@triton.jit
+def tile_of(pid, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """``program_tile`` for the int64 position ``pid`` in a flat order of tiles."""
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
     i_nh = pid // (NK * NV)
     i_k = ((pid // NV) % NK).to(tl.int32)
     i_v = (pid % NV).to(tl.int32)
@@ -64,11 +69,20 @@ def sequence_bounds(i_n, T, cu_seqlens, split_offsets, BS: tl.constexpr, IS_VARL
 @triton.jit
 def load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
     """Load a [BK, BV] fp32 tile from base ``p`` of a [K, V] (or [V, K]) state."""
+    return load_state_cached(p, o_k, o_v, K, V, STATE_V_FIRST, "")
+
+
+@triton.jit
+def load_state_cached(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+                      CACHE: tl.constexpr):
+    """``load_state`` with ``tl.load``'s cache modifier ``CACHE``: ".cg" reads past the
+    multiprocessor's L1, for what another program published. (A separate function, not a default
+    argument: Triton 3.6's compiler does not turn a callee's default string into a constexpr.)"""
     m = (o_k[:, None] < K) & (o_v[None, :] < V)
     if STATE_V_FIRST:
-        b = tl.load(p + o_v[None, :] * K + o_k[:, None], mask=m, other=0.0)
+        b = tl.load(p + o_v[None, :] * K + o_k[:, None], mask=m, other=0.0, cache_modifier=CACHE)
     else:
-        b = tl.load(p + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0)
+        b = tl.load(p + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0, cache_modifier=CACHE)
     return b.to(tl.float32)
 
 

@@ -15,14 +15,23 @@ cut into P pieces (each a whole number of splits) and the pieces run in parallel
    would have stored them (pieces are whole splits, so the state slots line up).
 
 The backward runs the same three steps in reverse time (``dht`` in, ``dh0`` out). The pieces read
-their inputs twice (1.5× the unsplit bytes) and a call costs three launches instead of one (about
-90-180 µs on an H200 whatever the size, against ~30 µs for one launch: the host's time), so they pay
-only for long sequences far below one wave of programs: ``auto_pieces`` decides with a cost model
-measured per direction (``COSTS``, ``predicted_us``), and
+their inputs twice (1.5× the unsplit bytes). By default (``ONE_LAUNCH``) the three steps are one
+launch of one program per piece and tile (the kernels' ``LOOK_BACK``), each walking its piece
+twice: first from zero (step 1), publishing ``f_p`` and the decays behind a flag; then from its
+true start, storing its states (step 3), after folding in the contributions of the pieces before
+its own (in reverse: after it) as step 2's scan would, in the scan's order and arithmetic. A
+program publishes before it waits, and waits only on programs that took earlier tickets, so have
+started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions``,
+``publish_contribution``). As three launches a call in pieces cost an H200's host 90-320 µs
+whatever its size; as one, 37-68 µs against one pass's 29-59 (figures/README.md, session 19). A
+batch with an empty sequence, which owns no piece and so no program to store its end state, takes
+the three launches. The pieces pay only for long sequences far below one wave of programs:
+``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
-``run`` one function that launches their kernel over a packed batch, and ``run`` calls it twice.
+``run`` one function that launches their kernel over a packed batch, and ``run`` calls it once (one
+launch) or twice (three launches, with ``scan`` between).
 """
 from __future__ import annotations
 
@@ -36,9 +45,10 @@ import triton.language as tl
 
 from . import _host, tuning
 from .env import INTERPRET
-from .kernel_parts import load_state, program_tile, store_state
+from .kernel_parts import load_state, load_state_cached, program_tile, store_state, tile_of
 from .launch import Problem, launch_plain, serialised
 
+ONE_LAUNCH = True  # a call in pieces is one launch (the kernels' LOOK_BACK); False: the three launches
 MIN_PIECE_TOKENS = 2048  # shorter pieces do too little work to repay the extra pass
 PIECE_COUNTS = (2, 4, 8, 16, 32)  # what auto_pieces chooses from
 
@@ -47,7 +57,7 @@ class Cost(NamedTuple):
     """The constants of the cost model behind ``auto_pieces`` for one direction, in µs."""
     step_us: float  # one pass: one chunk step of a program's walk, far below one wave (latency-bound)
     piece_step_us: float  # a call in pieces: one chunk step of a piece, either pass
-    fixed_us: float  # a call in pieces however little it holds: the host's time for its three launches
+    fixed_us: float  # a call in pieces however little it holds: the host's time for its one launch
     one_pass_fixed_us: float  # a one-pass call however little it holds: the host's time for one launch
     overlap: float  # programs per multiprocessor whose chunk steps overlap: past sms × overlap programs,
     # a step takes longer in proportion
@@ -55,30 +65,34 @@ class Cost(NamedTuple):
 
 # Measured on an H200. The steps by ``python -m chunkstate.bench --calibrate``
 # (figures/pieces_calibration_h200.json), each where the others vanish, with few programs (one wave),
-# gate g, bf16, final states. The two fixed costs are the host's, and hosts and processes differ: the
-# same host-bound call (``bench.HOST_PROBE``, 2 pieces or one pass) was timed five times on two
-# machines, by that calibration and by four host probes in two processes on another H200 machine
-# (figures/README.md, "2026-12-04, at 936fe33"): 67-162 µs forward and 78-226 µs backward in pieces.
-# The model holds the medians, so that it cuts only where the pieces save more than a typical host's
-# time for the two extra launches. The overlap: a program waits on memory most of its step, so two
-# on one multiprocessor take little longer than one. It is fitted to the explicit piece counts timed
-# in the three random runs of 2026-12-04 (62 cases; figures/README.md, "2026-12-04, session 15"):
-# with 2 the model's count was within 3 % of the best in 59 of 62, with 1 (or less) in 55.
-# ``--calibrate``'s own measurement (32 pieces of B1 H2 K = V = 128, 256 programs) gave 0.65: there
-# a step moves 2-4 TB/s and is bound by memory bandwidth, which the model has no term for; the
-# model keeps the value that decides best on the random shapes.
-COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.326, fixed_us=90.0, one_pass_fixed_us=29.0, overlap=2.0),
-         "bwd": Cost(step_us=0.418, piece_step_us=0.376, fixed_us=179.0, one_pass_fixed_us=33.0, overlap=2.0)}
+# gate g, bf16, final states; the piece steps are the one launch's (session 19; the three launches'
+# passes measured 0.326 and 0.376 µs, session 15, and the one-pass steps came out the same to 1 ns).
+# The two fixed costs are the host's, and hosts and processes differ. One pass: the same host-bound
+# call (``bench.HOST_PROBE``) timed five times on two machines (figures/README.md, "2026-12-04, at
+# 936fe33"), the medians. In pieces, one launch: the same call in 2 pieces timed in three processes
+# on two H200 machines (figures/README.md, session 19): 37, 49 and 68 µs forward, 39, 50 and 56
+# backward, the medians; the three launches had cost 90 and 179 µs by the same measure. The overlap:
+# a program waits on memory most of its step, so two on one multiprocessor take little longer than
+# one. It is fitted to the explicit piece counts timed in the three random runs of 2026-12-04 (62
+# cases; figures/README.md, "2026-12-04, session 15"): with 2 the model's count was within 3 % of the
+# best in 59 of 62, with 1 (or less) in 55. ``--calibrate``'s own measurement (32 pieces of B1 H2
+# K = V = 128, 256 programs) gave 0.63-0.66: there a step moves 2-4 TB/s and is bound by memory
+# bandwidth, which the model has no term for; the model keeps the value that decides best on the
+# random shapes.
+COSTS = {"fwd": Cost(step_us=0.372, piece_step_us=0.339, fixed_us=49.0, one_pass_fixed_us=29.0, overlap=2.0),
+         "bwd": Cost(step_us=0.418, piece_step_us=0.374, fixed_us=50.0, one_pass_fixed_us=33.0, overlap=2.0)}
 # The chunk step depends on the gate: what a step loads and multiplies besides k and v. The steps above
 # are gate g's; ``GATE_STEPS`` scales them for the other gate kinds (``gate_kind``), the ratios of the
-# steps ``--calibrate`` measured for each kind to g's on its first shape (one pass | in pieces):
-# fwd none 0.235 | 0.244, g 0.372 | 0.331, g_gamma 0.311 | 0.307, gk 0.542 | 0.550 µs;
-# bwd none 0.344 | 0.323, g 0.398 | 0.371, g_gamma 0.326 | 0.330, gk 0.810 | 0.663 µs
-# (figures/pieces_calibration_h200.json, 2026-12-04). gk's step is 1.5-2× g's: the key gate is a
-# [BT, BK] tile loaded and exponentiated every chunk, where g is a [BT] vector.
-GATE_STEPS = {"fwd": {"none": (0.63, 0.74), "g": (1.0, 1.0), "g_gamma": (0.84, 0.93), "gk": (1.46, 1.66)},
-              "bwd": {"none": (0.87, 0.87), "g": (1.0, 1.0), "g_gamma": (0.82, 0.89), "gk": (2.04, 1.79)}}
-SCAN_US = 5.0  # the scan kernel between the passes (3 µs measured)
+# steps ``--calibrate`` measured for each kind to g's on its first shape (one pass | in pieces, one
+# launch): fwd none 0.235 | 0.232, g 0.372 | 0.336, g_gamma 0.312 | 0.310, gk 0.538 | 0.558 µs;
+# bwd none 0.345 | 0.328, g 0.391 | 0.379, g_gamma 0.326 | 0.330, gk 0.818 | 0.602 µs
+# (figures/pieces_calibration_h200.json, session 19; the one-pass ratios are session 15's, which
+# these match to 0.06). gk's step is 1.5-2× g's: the key gate is a [BT, BK] tile loaded and
+# exponentiated every chunk, where g is a [BT] vector.
+GATE_STEPS = {"fwd": {"none": (0.63, 0.69), "g": (1.0, 1.0), "g_gamma": (0.84, 0.92), "gk": (1.46, 1.66)},
+              "bwd": {"none": (0.87, 0.87), "g": (1.0, 1.0), "g_gamma": (0.82, 0.87), "gk": (2.04, 1.59)}}
+SCAN_US = 5.0  # the carry between a piece's walks: in one launch its wait and fold (medians 1-8 µs on
+# the H200 with the walks in step, figures/README.md, session 19); in three, the scan kernel (3 µs)
 PIECES_MARGIN = 0.85  # pieces only where the model saves at least 15 %: it is a model
 
 
@@ -110,7 +124,8 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
     (``gate_kind``) whose launch has ``programs`` programs, each walking ``chunks`` chunks (the
     longest sequence's), cut into ``pieces`` (1: one pass) on ``sms`` multiprocessors:
     latency-bound chunk steps, each as long as ``waves`` says for the programs launched, and for
-    pieces twice over (the two passes) on ``pieces`` times the programs, plus the scan; never under
+    pieces twice over (each piece walked twice) on ``pieces`` times the programs, plus the carry
+    between the walks (``SCAN_US``); never under
     the host's time for the call (``COSTS``). Each step is g's scaled by the gate's ratios
     (``GATE_STEPS``)."""
     c = COSTS[direction]
@@ -193,13 +208,15 @@ def plan(lengths, BS: int, pieces: int) -> tuple[list[int], list[int]]:
 def _plan_on_device(lengths: tuple[int, ...], BS: int, pieces: int, device: torch.device):
     """``plan`` and the offsets the kernels read, made once per (lengths, BS, pieces, device): a
     repeated call plans nothing, copies nothing to the device and waits for nothing. Returns NP,
-    ``cu_pieces`` [NP + 1] int32, ``seq_pieces`` [N + 1] int32 and each piece's first state slot
-    [NP + 1] int64. Kernels only read these tensors."""
+    ``cu_pieces`` [NP + 1] int32, ``seq_pieces`` [N + 1] int32, each piece's first state slot
+    [NP + 1] int64 and each piece's sequence [NP] int32. Kernels only read these tensors."""
     cu_host, seq_host = plan(lengths, BS, pieces)
     cu_pieces = torch.tensor(cu_host, dtype=torch.int32, device=device)
     seq_pieces = torch.tensor(seq_host, dtype=torch.int32, device=device)
     _, piece_splits = _host.split_slots(_host.lengths(cu_host), BS, device)
-    return len(cu_host) - 1, cu_pieces, seq_pieces, piece_splits
+    piece_seq = torch.tensor([n for n in range(len(seq_host) - 1) for _ in range(seq_host[n], seq_host[n + 1])],
+                             dtype=torch.int32, device=device)
+    return len(cu_host) - 1, cu_pieces, seq_pieces, piece_splits, piece_seq
 
 
 @triton.jit
@@ -245,6 +262,92 @@ def piece_scan_kernel(
         store_state(s_end + i_nh * K * V, b_s, o_k, o_v, K, V, STATE_V_FIRST)
 
 
+# ---------------------------------------------------------------------------------------------
+# Pieces in one launch (the kernels' LOOK_BACK): the three steps in one grid, each program walking twice
+# ---------------------------------------------------------------------------------------------
+#
+# One program per piece and tile, as in one of the three launches' passes. Each walks its piece from
+# zero and publishes its contribution f_p and decays d_p, as step 1 does (not the last piece: nothing
+# after it reads one; in reverse, the first); then folds in the contributions of the pieces before
+# its own (in reverse: after it) as step 2's scan does, in the scan's order and arithmetic, so the
+# same bits; then walks its piece again from that true start, storing its states, as step 3 does.
+# Tickets, in the order programs start, hand out the tiles piece by piece (in reverse for the
+# backward), so a program waits only on programs that started before it; each of those publishes
+# after a walk that waits on nothing, so no schedule of the programs can deadlock. Each
+# contribution's flag holds how many pieces will still read it; each reader counts itself off, and
+# the last ticket resets the counter, so a launch leaves both at zero for the next one (also when a
+# CUDA graph replays it). (A first version launched twice the programs, one half publishing and the
+# other storing: on the H200 its walks ran 1.3-1.6x slower than the passes', figures/README.md,
+# session 18.)
+
+@triton.jit
+def piece_role(counter, piece_seq, seq_pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+    """Which piece and tile this program of a one-launch call in pieces walks, from the order programs
+    started: a ticket from ``counter`` (the last ticket sets it back to 0), the tiles taken in order
+    (in reverse order with ``REVERSE``), so that the pieces a program waits on (before its own; after
+    it, in reverse) took earlier tickets and have started. Returns the tile as ``program_tile`` does,
+    its sequence index being the piece's; the piece's sequence, and that sequence's first and last
+    pieces."""
+    n = tl.num_programs(0)
+    ticket = tl.atomic_add(counter, 1)
+    if ticket == n - 1:  # every program holds its ticket: the next launch starts at 0
+        tl.atomic_xchg(counter, 0)
+    order = ticket
+    if REVERSE:
+        order = n - 1 - ticket
+    i_nh, i_p, i_h, i_k, i_v = tile_of(order.to(tl.int64), H, K, V, BK, BV)
+    i_seq = tl.load(piece_seq + i_p).to(tl.int64)
+    p_first = tl.load(seq_pieces + i_seq).to(tl.int64)
+    p_last = tl.load(seq_pieces + i_seq + 1).to(tl.int64) - 1
+    return i_nh, i_p, i_h, i_k, i_v, i_seq, p_first, p_last
+
+
+@triton.jit
+def fold_contributions(b_s, contributions, decay_k, decay_v, flags, i_h, i_k, i_v, p_from, count, o_k, o_v,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       USE_DECAY_V: tl.constexpr, STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr):
+    """``b_s`` [BK, BV] carried across ``count`` pieces from piece ``p_from`` (up; down with
+    ``REVERSE``), as ``piece_scan_kernel`` carries it: per piece, once its flag says its contribution
+    is published (an acquire), decayed by its total decays and added to; then this read is counted
+    off its flag."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    for j in range(0, count):
+        if REVERSE:
+            i_p = p_from - tl.cast(j, tl.int64)
+        else:
+            i_p = p_from + tl.cast(j, tl.int64)
+        o_p = i_p * H + i_h
+        flag = flags + (o_p * NK + i_k) * NV + i_v
+        ready = tl.atomic_add(flag, 0, sem="acquire")
+        while ready == 0:
+            ready = tl.atomic_add(flag, 0, sem="acquire")
+        b_s *= tl.math.exp2(tl.load(decay_k + o_p * K + o_k, mask=o_k < K, other=0.0, cache_modifier=".cg"))[:, None]
+        if USE_DECAY_V:
+            b_s *= tl.math.exp2(tl.load(decay_v + o_p * V + o_v, mask=o_v < V, other=0.0, cache_modifier=".cg"))[None, :]
+        b_s += load_state_cached(contributions + o_p * K * V, o_k, o_v, K, V, STATE_V_FIRST, ".cg")
+        tl.atomic_add(flag, -1, sem="relaxed")
+    return b_s
+
+
+@triton.jit
+def publish_contribution(contributions, decay_k, decay_v, flags, b_s, b_decay_k, b_decay_v, i_nh, i_k, i_v, readers,
+                         o_k, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         USE_DECAY_V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Store a piece's contribution tile ``b_s`` and its total decays (every tile those of its own
+    rows and columns: the copies agree), then, once every thread's stores are done, set its flag to
+    ``readers``, the pieces that will read it (a release)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    store_state(contributions + i_nh * K * V, b_s, o_k, o_v, K, V, STATE_V_FIRST)
+    tl.store(decay_k + i_nh * K + o_k, b_decay_k, mask=o_k < K)
+    if USE_DECAY_V:
+        tl.store(decay_v + i_nh * V + o_v, b_decay_v, mask=o_v < V)
+    tl.debug_barrier()
+    tl.atomic_xchg(flags + (i_nh * NK + i_k) * NV + i_v, readers.to(tl.int32), sem="release")
+
+
 # Workspaces kept between calls: a call in pieces would otherwise allocate one and take four views
 # of it every time, ~25 µs of an H200 host's time (figures/README.md, "The pieces path: where its
 # time goes"). One is reused only by a later call on the same device and stream, which the GPU runs
@@ -276,21 +379,49 @@ def _workspace(NP: int, p: Problem, use_gv: bool, device):
     return views
 
 
+MIN_TILE = 16  # the narrowest BK, BV of any config: the most tiles, and flags, a state can have
+
+
+def _look_back_workspace(NP: int, p: Problem, use_gv: bool, device):
+    """A one-launch call's buffers: the contributions [NP, H, *state], decay_k [NP, H, K] and decay_v
+    [NP, H, V] (None without gv), fp32, as ``_workspace``'s F and decays; and the flags (one per
+    piece, head and tile of the narrowest tiles) and the ticket counter, int32, zero: a launch
+    leaves them zero, so they are kept for the next call of the same sizes on this device and
+    stream (``_WORKSPACES``), and inside a CUDA graph capture made anew (their zeroing captured)."""
+    cuda = device.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    key = ("look_back", device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
+           p.state_v_first, use_gv)
+    views = None if capturing else _WORKSPACES.get(key)
+    if views is None:
+        F, _, decay_k, decay_v = _new_workspace(NP, p, use_gv, device, with_S=False)
+        n_flags = NP * p.H * _host.cdiv(p.K, MIN_TILE) * _host.cdiv(p.V, MIN_TILE)
+        sync = torch.zeros(n_flags + 1, dtype=torch.int32, device=device)
+        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the flags, then the counter
+        if capturing or F.untyped_storage().nbytes() > MAX_KEPT_BYTES:
+            return views
+        _WORKSPACES[key] = views
+        while len(_WORKSPACES) > MAX_WORKSPACES:
+            _WORKSPACES.popitem(last=False)
+    _WORKSPACES.move_to_end(key)
+    return views
+
+
 def clear_workspaces() -> None:
     """Drop the workspaces kept between calls (their memory goes back to torch's allocator)."""
     with serialised():
         _WORKSPACES.clear()
 
 
-def _new_workspace(NP: int, p: Problem, use_gv: bool, device):
-    sizes = [NP * p.H * p.K * p.V] * 2 + [NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
+def _new_workspace(NP: int, p: Problem, use_gv: bool, device, with_S: bool = True):
+    sizes = [NP * p.H * p.K * p.V, NP * p.H * p.K * p.V if with_S else 0, NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
     starts, total = [], 0
     for n in sizes:
         starts.append(total)
         total += _host.cdiv(n, 32) * 32
     buf = torch.empty(max(total, 1), dtype=torch.float32, device=device)
     F, S, decay_k, decay_v = (buf[a:a + n] for a, n in zip(starts, sizes))
-    return (F.view(NP, p.H, *p.state), S.view(NP, p.H, *p.state), decay_k.view(NP, p.H, p.K),
+    return (F.view(NP, p.H, *p.state), S.view(NP, p.H, *p.state) if with_S else None, decay_k.view(NP, p.H, p.K),
             decay_v.view(NP, p.H, p.V) if use_gv else None)
 
 
@@ -315,13 +446,24 @@ def packed(x, B: int, T: int):
 
 def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use_gv: bool, reverse: bool) -> None:
     """The three steps (module docstring) for the sequences of ``p``, filling ``states`` (h or dh)
-    and ``end`` (ht or dh0, if given) in place.
+    and ``end`` (ht or dh0, if given) in place: in one launch (``ONE_LAUNCH``, unless a sequence is
+    empty) or three.
 
-    ``run_pass(cu_seqlens=, split_offsets=, N=, states=, start=, end=, decay_k=, decay_v=)``
-    launches the kernel over pieces packed along T (the wrapper packs a dense batch as one row);
-    ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the last."""
+    ``run_pass(cu_seqlens=, split_offsets=, N=, states=, start=, end=, decay_k=, decay_v=,
+    look_back=)`` launches the kernel over pieces packed along T (the wrapper packs a dense batch as
+    one row); ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the
+    last; ``look_back``: the one launch's buffers, by the kernels' argument names."""
     dev = states.device
-    NP, cu_pieces, seq_pieces, piece_splits = _plan_on_device(p.lengths, p.BS, pieces, dev)
+    NP, cu_pieces, seq_pieces, piece_splits, piece_seq = _plan_on_device(p.lengths, p.BS, pieces, dev)
+    if ONE_LAUNCH and min(p.lengths, default=0) > 0:  # an empty sequence owns no piece, so no program: its
+        # end state (h0, or dht) is the scan's to store, in the three launches
+        with serialised():  # the workspace is this call's until its launch is queued
+            contributions, decay_k, decay_v, flags, counter = _look_back_workspace(NP, p, use_gv, dev)
+            run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP,
+                     states=states.view(1, -1, *states.shape[2:]), start=start, end=end, decay_k=decay_k,
+                     decay_v=decay_v, look_back=dict(counter=counter, flags=flags, contributions=contributions,
+                                                     piece_seq=piece_seq, seq_pieces=seq_pieces))
+        return
     with serialised():  # the workspace is this call's until its three launches are queued
         F, S, decay_k, decay_v = _workspace(NP, p, use_gv, dev)
         # 1. each piece from zero: its contribution f_p and its total decays d_p, d_{v,p}

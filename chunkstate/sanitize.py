@@ -1,8 +1,8 @@
 """Every kernel, every config, ragged shapes — small enough to run under NVIDIA compute-sanitizer.
 
 The workload (``python -m chunkstate.sanitize``) launches the forward and backward kernels (plain,
-and as the two passes of sequence pieces) and the pieces' scan kernel (both directions) on ragged
-cases —
+as sequence pieces in one launch and, where a batch holds an empty sequence, as the two passes of
+sequence pieces) and the pieces' scan kernel (both directions) on ragged cases —
 T not a multiple of the chunk, K and V not multiples of any tile, packed batches with empty and
 one-token sequences, a batch of only empty sequences, GQA, split sizes of 1, 2 and 4 chunks, both
 state layouts and precisions — and, on the sweep case, with *every* config of
@@ -137,6 +137,9 @@ CASES = [
     Case("only-empty-sequences", 1, 0, 2, 1, 24, 40, 16, None, (0, 0, 0), ("gk",), h0=True, ht=True, dht=True),
     Case("pieces-gv-varlen-vk", 1, 300, 2, 1, 64, 48, 16, 32, (0, 0, 150, 151, 300), ("g", "gv"),
          h0=True, ht=True, dht=True, state_v_first=True, pieces=(2, 3)),
+    # no empty sequence: the pieces in one launch (pieces.ONE_LAUNCH), one-token sequences between long ones
+    Case("pieces-one-launch-varlen", 1, 300, 2, 2, 40, 72, 16, 32, (0, 1, 150, 151, 300), GATE_NAMES,
+         h0=True, ht=True, dht=True, pieces=(3, 4)),
     Case("fp32-tf32", 1, 130, 2, 2, 40, 24, 64, None, None, ("gk",), h0=True, ht=True, dht=True,
          pieces=(1, 2), fp32=True, gpu_only=True),
 ]

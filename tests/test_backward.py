@@ -427,6 +427,45 @@ def test_tma_config_refused_where_descriptors_cannot_read_the_inputs():
         run_backward(inp, nat, h0, dht, cu, 16, config=_tma_config(16, 16))
 
 
+ONE_LAUNCH_TILES = [(16, 16), (32, 64), (64, 64)]  # 2 x 2 and 1 x 1 tiles of K = 24, V = 20
+if ON_GPU:
+    ONE_LAUNCH_TILES += [(64, 128), (128, 64), (128, 128), (32, 32)]
+
+
+@pytest.mark.parametrize("tile", ONE_LAUNCH_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_pieces_in_one_launch_give_the_three_launches_gradients(tile, monkeypatch):
+    """The backward's ``pieces.ONE_LAUNCH``: the pieces after each one (it walks in reverse) folded
+    into its start as the scan folds them. dh is the three launches' bit for bit on CPU (1e-6 on a
+    GPU, which may fuse a multiply-add differently); dh0, which the first piece walks back to, agrees
+    to fp32 rounding; flags and the ticket counter are zero after each call. GQA (2 query heads per
+    KV head), every gate, dense and packed batches, split 32, both state layouts."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    warps = (4, 8) if ON_GPU else (4,)
+    for vf, (B, T, cu, P) in itertools.product((False, True), [(2, 100, None, 3), (1, 130, [0, 1, 60, 61, 130], 4)]):
+        inp, nat, h0, dht, cu_t = make_case(B, T, 2, 2, 24, 20, GATES, 16, torch.float32, cu)
+        for w in warps:
+            cfg = triton.Config({"BK": tile[0], "BV": tile[1]}, num_warps=w, num_stages=1)
+            out = {}
+            for one in (False, True):
+                monkeypatch.setattr(pieces, "ONE_LAUNCH", one)
+                out[one] = run_backward(inp, nat, h0, dht, cu_t, 16, 32, state_v_first=vf, config=cfg, pieces=P)
+            where = f"B{B} T{T} cu={cu} pieces={P} state_v_first={vf} {tile} w{w}"
+            if ON_GPU:
+                check_close(out[True][0], out[False][0], f"dh, one launch vs three ({where})", 1e-6)
+            else:
+                assert torch.equal(out[True][0], out[False][0]), f"dh, one launch vs three ({where})"
+            check_close(out[True][1], out[False][1], f"dh0, one launch vs three ({where})", TOL[torch.float32])
+            kept = [views for key, views in pieces._WORKSPACES.items() if key[0] == "look_back"]
+            assert kept and all(int(v[3].abs().sum()) == 0 and int(v[4].abs().sum()) == 0 for v in kept), where
+    dh, dh0 = run_backward(inp, nat, h0, dht, cu_t, 16, 32, pieces=4)
+    ref_dh, ref_dh0 = loop_grads(inp, nat, h0, dht, cu_t, 16, 32)
+    check_close(dh, ref_dh, "one launch vs autograd of the loop: dh", TOL[torch.float32])
+    check_close(dh0, ref_dh0, "one launch vs autograd of the loop: dh0", TOL[torch.float32])
+    pieces.clear_workspaces()
+
+
 @pytest.mark.parametrize("cu", [None, [0, 0, 0]])
 def test_no_tokens(cu):
     """Sequences without tokens: no split to store, dh0 = dht (or 0 without dht)."""

@@ -233,9 +233,10 @@ def test_the_default_call_chooses_as_auto_pieces(monkeypatch):
 
 
 def test_pieces_as_an_h200_would_choose():
-    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) walking 2,048 chunks is cut (the cost model: 16
-    # pieces, 256 programs, all overlapping, two per multiprocessor); B8 H16 fills the GPU.
-    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 16
+    # 132 SMs: B1 H4 (16 programs of 64x64 tiles) walking 2,048 chunks is cut (the cost model: 32
+    # pieces, 512 programs, 1.9 times the 264 that overlap, walking 64 chunks twice: 89 µs against
+    # 16 pieces' 92); B8 H16 fills the GPU.
+    assert bench.case_pieces(Case(Shape(1, 131072, 4), "fwd")) == 32
     assert bench.case_pieces(Case(B8, "fwd")) == 1
     # a pure function: auto_pieces with this machine's SM count, an H200's without a GPU
     assert bench.predicted_pieces(1, 4, 128, 128, 131072, 64, "bwd") == pieces.auto_pieces(
@@ -540,11 +541,11 @@ def test_a_pieces_case_is_also_timed_in_one_pass(monkeypatch):
     monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
     case = Case(Shape(1, 131072, 4), "fwd")
-    assert bench.case_pieces(case) == 16
+    assert bench.case_pieces(case) == 32
     r = runner.run_case(case, None, libs, copy_tbps=4.0)
     assert calls == [{}, {"pieces": 1}]
     assert r["ours_one_pass"]["x_floor"] == pytest.approx(2 * r["ours"]["x_floor"])
-    assert "16 (2.000)" in bench.format_table([r])
+    assert "32 (2.000)" in bench.format_table([r])
 
     calls.clear()
     r = runner.run_case(Case(Shape(8, 64, 2, 16), "fwd"), None, libs, copy_tbps=4.0)
@@ -881,17 +882,17 @@ def test_gate_kind_is_the_costliest_gate_given():
 
 def test_a_key_gate_cuts_where_a_scalar_gate_does_not():
     """The same shape near the break-even: g's steps do not repay the pieces' fixed cost, gk's longer
-    ones do (B1 T15360 H8 K = V = 128, 32 programs, 240 chunks)."""
-    assert pieces.auto_pieces(1, 8, 128, 128, 15360, 64, 132, direction="fwd", gate="g") == 1
-    assert pieces.auto_pieces(1, 8, 128, 128, 15360, 64, 132, direction="fwd", gate="gk") > 1
+    ones do (B1 T9216 H8 K = V = 128, 32 programs, 144 chunks)."""
+    assert pieces.auto_pieces(1, 8, 128, 128, 9216, 64, 132, direction="fwd", gate="g") == 1
+    assert pieces.auto_pieces(1, 8, 128, 128, 9216, 64, 132, direction="fwd", gate="gk") > 1
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("N, H, K, V, T", [(4, 2, 128, 128, 8192), (1, 2, 128, 128, 10240), (8, 8, 64, 64, 8192),
+@pytest.mark.parametrize("N, H, K, V, T", [(4, 2, 128, 128, 8192), (1, 2, 128, 128, 8704), (8, 8, 64, 64, 8192),
                                            (4, 4, 64, 64, 4096), (1, 4, 64, 64, 6144)])
 def test_pieces_never_chosen_where_one_pass_is_short(N, H, K, V, T, direction):
     """Shapes far below a wave whose one pass takes less than the pieces path's fixed cost over the
-    margin (the host's time for three launches): the model keeps them whole, in both directions."""
+    margin (the host's time for its launch): the model keeps them whole, in both directions."""
     programs, chunks = N * H * -(-K // 64) * -(-V // 64), -(-T // 64)
     assert programs < 66
     assert pieces.predicted_us(1, programs, chunks, 132, direction) < pieces.COSTS[direction].fixed_us / pieces.PIECES_MARGIN

@@ -100,47 +100,56 @@ class KernelSpec:
 
 _GATES = dict(g=ptr("fp32"), g_gamma=ptr("fp32"), gk=ptr("fp32"), gv=ptr("fp32"))
 _NO_GATES = dict(g=None, g_gamma=None, gk=None, gv=None)
+_NO_LOOK_BACK = dict(counter=None, flags=None, contributions=None, piece_seq=None, seq_pieces=None)
+_LOOK_BACK = dict(counter=ptr("i32"), flags=ptr("i32"), contributions=ptr("fp32"), piece_seq=ptr("i32"),
+                  seq_pieces=ptr("i32"), LOOK_BACK=True)
 
 FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
     FlagSet("bf16-dense-allgates-h0-ht", dict(
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **_GATES, h0=ptr("fp32"), ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
         H=4, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False), with_candidates=True),
     FlagSet("fp16-varlen-vfirst-g-gv-h32", dict(
         k=ptr("fp16"), v=ptr("fp16"), h=ptr("fp32"), **dict(_NO_GATES, g=ptr("fp32"), gv=ptr("fp32")),
-        h0=ptr("fp16"), ht=None, cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None,
+        h0=ptr("fp16"), ht=None, cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None, **_NO_LOOK_BACK,
         T=4096, OCCUPANCY=3, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=128, USE_G=True, USE_G_GAMMA=False,
         USE_GK=False, USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, IS_VARLEN=True, STATE_V_FIRST=True,
         STORE_STATES=True, STORE_DECAY=False)),
     FlagSet("bf16-dense-g-narrow-v", dict(  # g alone below a quarter wave: v scaled in bf16 (tuning.narrow_v)
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), h0=None, ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=1, TMA_OK=1, SMEM=0,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=1, TMA_OK=1, SMEM=0,
         H=32, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
         USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), with_candidates=True, buckets=(0, 1)),
     FlagSet("bf16-varlen-g_gamma-narrow-v", dict(  # g_gamma alone below a quarter wave: v scaled in bf16
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g_gamma=ptr("fp32")), h0=ptr("fp32"),
-        ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None, T=4096,
+        ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096,
         OCCUPANCY=0, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=False, USE_G_GAMMA=True, USE_GK=False,
         USE_GV=False, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False, NARROW_V=True), buckets=(0, 1)),
     FlagSet("bf16-dense-g-h0", dict(  # g alone from a quarter wave on: v scaled in fp32
         k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), h0=ptr("fp32"), ht=None,
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=3, TMA_OK=1, SMEM=0,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=3, TMA_OK=1, SMEM=0,
         H=32, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
         USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False, NARROW_V=False), with_candidates=True, buckets=(2, 3, 4)),
     FlagSet("bf16-pieces-pass-gk-gv-decays", dict(  # the pieces' first pass: ht and decays only
         k=ptr("bf16"), v=ptr("bf16"), h=None, **dict(_NO_GATES, gk=ptr("fp32"), gv=ptr("fp32")),
         h0=None, ht=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=None, decay_k=ptr("fp32"),
-        decay_v=ptr("fp32"), T=4096, OCCUPANCY=0, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
+        decay_v=ptr("fp32"), **_NO_LOOK_BACK, T=4096, OCCUPANCY=0, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=False,
         USE_G_GAMMA=False, USE_GK=True, USE_GV=True, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,
         IS_VARLEN=True, STATE_V_FIRST=False, STORE_STATES=False, STORE_DECAY=True)),
+    FlagSet("bf16-pieces-one-launch-allgates-h0-ht", dict(  # pieces in one launch (pieces.run): look-back
+        k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **_GATES, h0=ptr("fp32"), ht=ptr("fp32"),
+        cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=ptr("fp32"), decay_v=ptr("fp32"), **_LOOK_BACK,
+        T=4096, OCCUPANCY=1, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True,
+        USE_GK=True, USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True,
+        STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False), with_candidates=True, buckets=(0, 1)),
     FlagSet("fp32-dense-gk-bt128", dict(  # fp32 inputs, long chunks: the most shared memory per stage
         k=ptr("fp32"), v=ptr("fp32"), h=ptr("fp32"), **dict(_NO_GATES, gk=ptr("fp32")), h0=None, ht=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
         H=4, K=128, V=128, BT=128, BS=256, USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False,
         USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
         STORE_STATES=True, STORE_DECAY=False)),
@@ -149,11 +158,18 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
 BACKWARD = KernelSpec("backward", "chunkstate.backward", "chunk_bwd_kernel_dh", (
     FlagSet("bf16-gqa-allgates-dht-dh0", dict(
         q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **_GATES, dht=ptr("fp32"), dh0=ptr("fp32"),
-        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, scale=0.088, T=4096, OCCUPANCY=2,
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, scale=0.088, T=4096, OCCUPANCY=2,
         TMA_OK=1, SMEM=0, H=4, NG=2, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True, USE_GK=True, USE_GV=True,
         USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=False,
         STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False),
         slack=3.5),  # with GQA and a vector gate only q and do are buffered: the estimate is up to 3.3x high
+    FlagSet("bf16-pieces-one-launch-g-gv-dht-dh0", dict(  # pieces in one launch (pieces.run): look-back
+        q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32"), gv=ptr("fp32")),
+        dht=ptr("fp32"), dh0=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=ptr("fp32"),
+        decay_v=ptr("fp32"), **_LOOK_BACK, scale=0.088, T=4096, OCCUPANCY=1, TMA_OK=1, SMEM=0, H=4, NG=1, K=128,
+        V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=True, USE_FINAL_STATE_GRADIENT=True,
+        STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=True, STATE_V_FIRST=False, STORE_STATES=True,
+        STORE_DECAY=False), with_candidates=True, buckets=(0, 1)),
 ))
 
 KERNELS = [FORWARD, BACKWARD]

@@ -392,6 +392,100 @@ def test_sequence_pieces_against_loop(pieces, cu, gs, vf, tile, device):
     check_close(ht, ht1, "pieces vs one piece (ht)", TOL_FP32)
 
 
+def _look_back_sync_zero():
+    """Every kept one-launch workspace's flags and ticket counter are zero (as a launch must leave them)."""
+    from chunkstate import pieces
+    kept = [views for key, views in pieces._WORKSPACES.items() if key[0] == "look_back"]
+    return bool(kept) and all(int(views[3].abs().sum()) == 0 and int(views[4].abs().sum()) == 0 for views in kept)
+
+
+ONE_LAUNCH_TILES = [(16, 16), (32, 64), (64, 64)]  # 2 x 2, 1 x 1 tiles of K = 24, V = 20: one flag per tile
+if ON_GPU:  # every tile shape the GPU configs use, each with 4 and 8 warps
+    ONE_LAUNCH_TILES += [(64, 128), (128, 64), (128, 128), (32, 32)]
+
+
+@pytest.mark.parametrize("tile", ONE_LAUNCH_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_pieces_in_one_launch_give_the_three_launches_states(tile, device, monkeypatch):
+    """``pieces.ONE_LAUNCH``: each program walks its piece from zero and publishes its contribution,
+    then folds those of the pieces before its own into its start, as the scan does, and walks again
+    storing the states. The states are the three launches' bit for bit on CPU (the same arithmetic in
+    the same order; a GPU may fuse a multiply-add differently: 1e-6 there); the final state, which
+    the last piece walks to rather than the scan folding it, agrees to fp32 rounding; the flags and
+    the ticket counter are zero after every call (the next call, and a CUDA graph replay, start from
+    them); repeated calls reuse them. Dense and packed batches (one-token sequences, uneven pieces),
+    every gate, h0, split 32, both state layouts."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    warps = (4, 8) if ON_GPU else (4,)
+    for vf, (B, T, cu, P) in itertools.product((False, True), [(2, 100, None, 3), (1, 130, [0, 1, 60, 61, 130], 4)]):
+        case = make_case(B, T, 2, 24, 20, torch.float32, GATE_NAMES, True, cu, device)
+        for w in warps:
+            cfg = triton.Config({"BK": tile[0], "BV": tile[1]}, num_warps=w, num_stages=1)
+            out = {}
+            for one in (False, True):
+                monkeypatch.setattr(pieces, "ONE_LAUNCH", one)
+                out[one] = run_kernel(case, 16, 32, state_v_first=vf, pieces=P, config=cfg)
+            where = f"B{B} T{T} cu={cu} pieces={P} state_v_first={vf} {tile} w{w}"
+            if ON_GPU:
+                check_close(out[True][0], out[False][0], f"states, one launch vs three ({where})", 1e-6)
+            else:
+                assert torch.equal(out[True][0], out[False][0]), f"states, one launch vs three ({where})"
+            check_close(out[True][1], out[False][1], f"final states, one launch vs three ({where})", TOL_FP32)
+            assert _look_back_sync_zero(), f"flags and counter left non-zero ({where})"
+    h, ht = run_kernel(case, 16, 32, pieces=4)  # the one-launch path, again, against the loop
+    h_ref, ht_ref = run_loop(case, 16, 32)
+    check_close(h, h_ref, "one launch vs the loop", TOL_TF32 if ON_GPU else TOL_FP32)
+    check_close(ht, ht_ref, "one launch vs the loop (ht)", TOL_TF32 if ON_GPU else TOL_FP32)
+    pieces.clear_workspaces()
+
+
+@gpu_only
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_gpu_pieces_in_one_launch_under_load(direction, monkeypatch):
+    """Many programs waiting at once, over and over: B1 T65536 H4 K = V = 128 in 16 and 32 pieces (up
+    to 512 programs of 64×64 tiles, past one wave: programs that start late wait on earlier ones),
+    autotuned, 20 calls each on fresh gates; every call's states equal to the three launches' to
+    1e-6 and the flags and counter back at zero. A missed release or acquire shows as a wrong or
+    changing answer; a deadlock as a hang (pytest's timeout)."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    B, T, H, K, V, BT = 1, 65536, 4, 128, 128, 64
+    k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, V))
+    for P in (16, 32):
+        for call in range(20):
+            g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4), BT)
+            dht = torch.randn(1, H, K, V, device="cuda")
+            out = {}
+            for one in (False, True):
+                monkeypatch.setattr(pieces, "ONE_LAUNCH", one)
+                with nan_poisoned_empty():
+                    if direction == "fwd":
+                        out[one] = chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, states_in_fp32=True,
+                                                          pieces=P)
+                    else:
+                        out[one] = chunkstate.chunk_bwd_dh(k, k, v, v, None, dht, 0.088, g=g, states_in_fp32=True,
+                                                           pieces=P)
+            check_close(out[True][0], out[False][0], f"{direction} pieces={P} call {call}: one launch vs three", 1e-6)
+            assert _look_back_sync_zero(), f"{direction} pieces={P} call {call}: flags or counter left non-zero"
+    pieces.clear_workspaces()
+
+
+def test_pieces_of_a_batch_with_an_empty_sequence_take_three_launches(device, monkeypatch):
+    """An empty sequence owns no piece, so no program of a one-launch call would store its final
+    state (h0): such a call takes the three launches, whose scan stores it."""
+    from chunkstate import pieces
+
+    pieces.clear_workspaces()
+    case = make_case(1, 100, 2, 16, 16, torch.float32, ("g",), True, [0, 0, 50, 100], device)
+    tol = TOL_TF32 if ON_GPU else TOL_FP32  # fp32 dots are tf32 on a GPU
+    check_against_loop(case, tol, tol, 16, 32, what="pieces=3, an empty sequence", pieces=3)
+    assert [key for key in pieces._WORKSPACES if key[0] == "look_back"] == []
+    assert len(pieces._WORKSPACES) == 1  # the three launches' workspace
+    pieces.clear_workspaces()
+
+
 def _kept_workspace_ptrs():
     from chunkstate import pieces
     return [views[0].data_ptr() for views in pieces._WORKSPACES.values()]

@@ -3,7 +3,7 @@
 use (``pieces.COSTS``). The model charges
 
     one pass:   max(one-pass fixed, chunks × step × waves)
-    P pieces:   max(fixed, 2 · ⌈chunks / P⌉ × piece step × waves + scan)
+    P pieces:   max(fixed, 2 · ⌈chunks / P⌉ × piece step × waves + carry)
 
 and this mode measures each term where the others vanish, with few programs (one wave), gate ``g``,
 bf16, final states, BT = 64 (``CALIBRATION``):
@@ -11,10 +11,10 @@ bf16, final states, BT = 64 (``CALIBRATION``):
 - **step**: one pass at T = ``T_SHORT`` and ``T_LONG``; the difference over the difference in chunks
   (the host's time per call and the launch drop out);
 - **piece step**: the same with ``PIECES_FOR_STEP`` pieces at ``T_PIECES_SHORT`` and ``T_PIECES_LONG``
-  (each pass walks ⌈chunks / P⌉ chunks, and there are two passes), lengths at which both calls are
-  bound by their GPU work, not by the host's time for three launches;
+  (each piece is walked ⌈chunks / P⌉ chunks twice), lengths at which both calls are bound by their
+  GPU work, not by the host's time for the call;
 - **fixed**: the time of a call in pieces at T = ``T_TINY``, whose GPU work (a few chunks per
-  piece, under 25 µs) is far less than the host's time for its three launches: the floor the model's
+  piece, under 25 µs) is far less than the host's time for the call: the floor the model's
   max() puts under every call in pieces (its GPU work runs while the host launches, so it is not
   subtracted);
 - **one-pass fixed**: the same for one pass at T = ``T_TINY``: the host's time for one launch;

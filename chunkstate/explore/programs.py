@@ -9,8 +9,9 @@ program. So a change to the kernels' indexing changes the map, and ``tests/test_
 the map to what the real kernels write: every state element the map says a program stores is
 exactly an element the NaN-poisoned real output has filled.
 
-With ``pieces > 1`` the map is taken of the launch that stores the states (the third step of
-``chunkstate.pieces``), over the pieces packed as ``pieces.run`` packs them.
+With ``pieces > 1`` the map is taken of the programs that store the states (the third step of
+``chunkstate.pieces``: in one launch, every program's second walk), over the pieces packed as
+``pieces.run`` packs them.
 
 The bytes of a row follow a simple model (``ProgramMap`` docstring): each program reads each of its
 tokens' rows of its tile's columns once. With one tile per (sequence, head) the rows add up to
