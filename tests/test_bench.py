@@ -1062,3 +1062,77 @@ def test_host_time_is_the_median_wall_time_to_return(monkeypatch):
     us = runner.host_time_us(lambda: events.append("call"), calls=3)
     assert us == pytest.approx(3.0)  # of 1, 5 and 3 µs
     assert events == ["sync", "call"] * 3 + ["sync"]
+
+
+# -- one random run from two processes (--merge)
+
+def _seed_labels(seed: int, n: int) -> list[tuple[str, str]]:
+    return [(c.label, c.shape.label) for c in bench.random_cases(seed, n)]
+
+
+def _report(seed: int, n: int, labels, **meta) -> dict:
+    return {"meta": {"random": {"seed": seed, "n": n}, **meta}, "cases": [{"case": label} for label in labels]}
+
+
+def test_merge_takes_each_shape_whole_from_one_process():
+    pairs = _seed_labels(5, 4)
+    labels = [c for c, _ in pairs]
+    assert len(labels) == 8 and all(len({s for c, s in pairs[i:i + 2]}) == 1 for i in range(0, 8, 2))
+    # the first process timed shape 0 whole and shape 1's forward before its time ran out; the second
+    # timed shapes 1 and 3 (shape 2 was never timed), in its own order
+    first = _report(5, 4, labels[:3], date="d1", copy={"tbps": 4.0})
+    second = _report(5, 4, labels[6:8] + labels[2:4], date="d2", copy={"tbps": 3.9}, host_probe={"x": 1})
+    merged = bench.report.merge_random(first, second, pairs)
+    assert [r["case"] for r in merged["cases"]] == labels[:4] + labels[6:8]  # the seed's order; shape 2 absent
+    assert merged["cases"][2] is second["cases"][2]  # shape 1 from the second process, both directions
+    sp = merged["meta"]["second_process"]
+    assert sp["cases"] == labels[2:4] + labels[6:8] and sp["date"] == "d2" and sp["copy"] == {"tbps": 3.9}
+    assert sp["host_probe"] == {"x": 1} and merged["meta"]["date"] == "d1" and "second_process" not in first["meta"]
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("other seed", "different runs"),
+    ("foreign case", "is not one of seed 5"),
+    ("split shape", "come from one process"),
+    ("twice", "twice"),
+    ("not random", "not a --random run"),
+])
+def test_merge_refuses_what_does_not_fit(broken, message):
+    pairs = _seed_labels(5, 4)
+    labels = [c for c, _ in pairs]
+    first, second = _report(5, 4, labels[:3]), _report(5, 4, labels[4:6])
+    if broken == "other seed":
+        second["meta"]["random"]["seed"] = 6
+    elif broken == "foreign case":
+        second["cases"].append({"case": "B1 T1 H1 fwd g bf16 ht"})
+    elif broken == "split shape":  # shape 1: forward only in the first, backward only in the second
+        second["cases"].append({"case": labels[3]})
+    elif broken == "twice":
+        first["cases"].append({"case": labels[0]})
+    elif broken == "not random":
+        del first["meta"]["random"]
+    with pytest.raises(ValueError, match=message):
+        bench.report.merge_random(first, second, pairs)
+
+
+def test_merge_command_rebuilds_a_stored_two_process_run(tmp_path, capsys):
+    """The committed seed 862431 was completed by a second process and merged by hand: split back into
+    its two processes (the first also holding one direction of a shape it was cut in), ``--merge``
+    gives back the same report, and writes its figure."""
+    stored = json.loads((Path(chunkstate.__file__).parent.parent / "figures" / "bench_h200_random_s862431.json").read_text())
+    second_cases = set(stored["meta"]["second_process"]["cases"])
+    meta_first = {k: v for k, v in stored["meta"].items() if k != "second_process"}
+    meta_second = dict(meta_first, **{k: stored["meta"]["second_process"][k] for k in ("date", "host_probe", "copy")})
+    first = {"meta": meta_first, "cases": [r for r in stored["cases"] if r["case"] not in second_cases]}
+    first["cases"].append(next(r for r in stored["cases"] if r["case"] in second_cases))  # cut mid-shape
+    second = {"meta": meta_second, "cases": [r for r in stored["cases"] if r["case"] in second_cases]}
+    paths = [tmp_path / "first.json", tmp_path / "second.json"]
+    for path, report in zip(paths, (first, second)):
+        path.write_text(json.dumps(report))
+    assert cli.main(["--merge", str(paths[0]), str(paths[1]), "--out", str(tmp_path / "out")]) == 0
+    merged = json.loads((tmp_path / "out" / "bench_h200_random_s862431.json").read_text())
+    assert merged == stored
+    assert (tmp_path / "out" / "bench_h200_random_s862431.png").stat().st_size > 10_000
+    assert "60 cases (14 from the second process)" in capsys.readouterr().out
+    assert cli.main(["--merge", str(paths[0]), str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err

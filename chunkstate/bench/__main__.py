@@ -20,6 +20,11 @@ Modes:
             measure the pieces cost model's constants on this GPU, per direction (a chunk step in
             one pass and in pieces, the fixed cost of a call in pieces), print them beside the
             ones chunkstate.pieces uses, write pieces_calibration_h200.json (bench/calibrate.py).
+  --merge FIRST.json SECOND.json
+            one --random report from two processes of the same seed: a run stopped by its time
+            limit, and a second one (--shapes) timing the shapes it left; each shape whole from one
+            process (report.merge_random). Writes bench_h200_random_s<SEED>.json and .png into
+            --out. No GPU needed.
   --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
 
 Per case: chunkstate's and fla's calls (and explicit piece counts where the random mode asks) are
@@ -42,6 +47,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -68,6 +74,8 @@ def parse_args(argv=None):
     mode.add_argument("--gla", action="store_true", help="time chunk_gla against fla's chunk_gla")
     mode.add_argument("--random", type=int, metavar="SEED", help="time N random realistic shapes drawn by SEED")
     mode.add_argument("--calibrate", action="store_true", help="measure the pieces cost model's constants")
+    mode.add_argument("--merge", nargs=2, metavar=("FIRST", "SECOND"),
+                      help="merge two --random reports of one seed (a run cut short, and the shapes it left)")
     p.add_argument("--n", type=int, default=30, metavar="N", help="shapes drawn by --random (default 30)")
     p.add_argument("--plan", action="store_true", help="print the cases and a time estimate; no GPU needed")
     p.add_argument("--out", default="figures",
@@ -103,8 +111,39 @@ def _fresh_triton_cache(keep: bool) -> tuple[dict, str | None]:
     return {"fresh": seen == tmp, "dir": tmp}, tmp
 
 
+def merge(paths, out) -> int:
+    """``--merge``: read two --random reports, write their merge (``report.merge_random``)."""
+    import json
+
+    from .report import format_random_summary, merge_random, output_paths, write_json, write_png
+
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            print(f"--merge: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    meta = (reports[0].get("meta") or {}).get("random") or {}
+    try:
+        expected = [(c.label, c.shape.label) for c in random_cases(meta["seed"], meta["n"])] if meta else []
+        merged = merge_random(*reports, expected)
+    except ValueError as e:
+        print(f"--merge: {e}", file=sys.stderr)
+        return 2
+    json_path, png_path = output_paths(out, f"random_s{meta['seed']}")
+    write_json(merged, json_path)
+    write_png(merged, png_path)
+    print(f"{len(merged['cases'])} cases ({len(merged['meta']['second_process']['cases'])} from the second "
+          f"process) -> {json_path}, {png_path}")
+    print(format_random_summary(merged))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     mode = ("quick" if args.quick else "full" if args.full else "sweep" if args.sweep else
             "gla" if args.gla else "random" if args.random is not None else
             "calibrate" if args.calibrate else "default")

@@ -214,3 +214,55 @@ def write_png(report: dict, path) -> Path:
     from ..figures import speed
 
     return speed.save_png(report, path)
+
+
+SECOND_PROCESS_WHY = ("the first process's run was stopped by its time limit before these shapes (or their second "
+                      "direction); they were timed in a second process, both directions of each such shape together")
+
+
+def merge_random(first: dict, second: dict, expected: list[tuple[str, str]]) -> dict:
+    """One random run's report from two processes of the same seed: a first run cut short by its
+    time limit (``--budget``, or the call's), and a second timing the shapes left (``--shapes``).
+
+    ``expected`` holds the seed's (case label, shape label) pairs in its order (from
+    ``model.random_cases``). A shape comes whole from one process, both directions together: from
+    the first where it holds both, else from the second, which must then hold both (a shape with
+    one direction in each is an error, not a mix); the merged cases follow the seed's order. The cases keep their own process's derived numbers (×floor, TB/s by that
+    process's copy bandwidth); ``meta`` is the first's, with ``meta.second_process`` naming the
+    second's cases, its date, host probe and copy bandwidth. Raises ValueError naming what does
+    not fit: another mode or seed, a case the seed does not draw, a shape neither holds whole."""
+    seeds = [(r.get("meta") or {}).get("random") or {} for r in (first, second)]
+    for name, meta in zip(("first", "second"), seeds):
+        if "seed" not in meta:
+            raise ValueError(f"the {name} report is not a --random run (no meta.random)")
+    if (seeds[0]["seed"], seeds[0].get("n")) != (seeds[1]["seed"], seeds[1].get("n")):
+        raise ValueError(f"the reports are of different runs: seed {seeds[0]['seed']} n {seeds[0].get('n')} "
+                         f"and seed {seeds[1]['seed']} n {seeds[1].get('n')}")
+    by_shape: dict[str, list[str]] = {}  # the seed's shapes and their cases, in its order
+    for label, shape in expected:
+        by_shape.setdefault(shape, []).append(label)
+    seed_cases = {label for label, _ in expected}
+    held = []
+    for name, report in (("first", first), ("second", second)):
+        cases = {}
+        for r in report.get("cases", []):
+            if r["case"] not in seed_cases:
+                raise ValueError(f"the {name} report's case {r['case']!r} is not one of seed {seeds[0]['seed']}'s")
+            if r["case"] in cases:
+                raise ValueError(f"the {name} report holds case {r['case']!r} twice")
+            cases[r["case"]] = r
+        held.append(cases)
+    merged, from_second = [], []
+    for shape, labels in by_shape.items():
+        whole = [i for i, cases in enumerate(held) if all(label in cases for label in labels)]
+        if whole:
+            merged += [held[whole[0]][label] for label in labels]
+            from_second += labels if whole[0] == 1 else []
+        elif any(label in cases for cases in held for label in labels):
+            raise ValueError(f"shape {shape!r}: neither report holds all of {labels}; a shape's directions "
+                             "come from one process")
+    meta = json.loads(json.dumps(first["meta"]))  # a copy
+    meta["second_process"] = {"cases": from_second, "why": SECOND_PROCESS_WHY,
+                              "host_probe": second["meta"].get("host_probe"), "copy": second["meta"].get("copy"),
+                              "date": second["meta"].get("date")}
+    return {"meta": meta, "cases": merged}
