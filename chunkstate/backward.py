@@ -301,7 +301,8 @@ def _backward_pass(q, do, g, g_gamma, gk, gv, scale, p: launch.Problem, config, 
                    states, start, end, decay_k=None, decay_v=None, look_back=None) -> None:
     """One launch of the backward kernel over N sequences (``states`` None: store none, only
     ``end`` and, given ``decay_k``, each sequence's total decay: the pieces' first pass; ``look_back``:
-    the N sequences are pieces run in one launch, ``pieces.run_one_launch``'s buffers by name)."""
+    the N sequences are pieces walked in one launch, and these its buffers by argument name, from
+    ``pieces.run``)."""
     args = dict(q=q, do=do, dh=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=start, dh0=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 scale=scale, T=q.shape[1], H=p.H, NG=q.shape[2] // p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,

@@ -93,10 +93,11 @@ class ProgramMap:
     tiles (``states_dtype``) and ht's tile (fp32) if asked. The backward reads q [BK] and do [BV]
     of each of its HQ / H query heads, the gates, dht's tile; writes dh's tiles and dh0's (fp32). The
     re-reads of each chunk's last gate row are not counted (they hit the cache). With
-    ``pieces > 1`` the rows are the states' pass, each program starting from the scan's fp32 state
-    tile and writing no final state; the pieces' first pass reads the same inputs again and writes
-    one fp32 tile per program (its decays not counted): ``first_pass_bytes``. The scan between them
-    is not counted.
+    ``pieces > 1`` the rows are the walk that stores the states (in one launch every program's
+    second), each program starting from its folded fp32 state tile and writing no final state; the
+    first walk (as three launches, the first pass) reads the same inputs again and writes one fp32
+    tile per program, its contribution (its decays not counted): ``first_pass_bytes``. The fold
+    between them (the scan) is not counted.
 
     Attributes also hold the launch: ``direction``, B, T, H, HQ, K, V, BT, BS, BK, BV, N, NS,
     ``lengths``, ``pieces`` (1 or the count used), ``piece_offsets`` (the pieces' starts on the
@@ -275,7 +276,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
         if P == 1:  # h0 (dht) read, ht (dh0) written by the program itself
             start, end = (h0, output_final_state) if direction == "fwd" else (output_final_state, h0)
             row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=start, end=end, slots=True)
-        else:  # the states' pass starts every piece from the scan's state; the first pass ends in F
+        else:  # the storing walk starts every piece from its folded start; the first walk ends in its contribution
             row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=True, end=False, slots=True)
             table.first_pass_bytes += sum(_bytes(direction, row, *sizes, start=False, end=True, slots=False))
         table.rows.append(row)
