@@ -358,18 +358,19 @@ MAX_WORKSPACES = 4  # kept, the least recently used dropped first
 MAX_KEPT_BYTES = 64 << 20  # a larger workspace is allocated per call, as before
 
 
-def _workspace(NP: int, p: Problem, use_gv: bool, device):
-    """F and S [NP, H, *state], decay_k [NP, H, K] and decay_v [NP, H, V] (None without gv), fp32,
-    as views of one allocation (each part starting on a 128-byte boundary), kept for the next call
-    of the same sizes on this device and stream (``_WORKSPACES``)."""
+def _kept(kind: str, NP: int, p: Problem, use_gv: bool, device, make):
+    """The views ``make()`` allocates for a call in ``NP`` pieces of ``p``, kept in ``_WORKSPACES``
+    for the next call of the same ``kind`` and sizes on this device and stream (the least recently
+    used dropped past ``MAX_WORKSPACES``); made anew, and not kept, while a CUDA graph is being
+    captured or when the first view's allocation is over ``MAX_KEPT_BYTES``."""
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
-        return _new_workspace(NP, p, use_gv, device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
+        return make()
+    key = (kind, device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
            p.state_v_first, use_gv)
     views = _WORKSPACES.get(key)
     if views is None:
-        views = _new_workspace(NP, p, use_gv, device)
+        views = make()
         if views[0].untyped_storage().nbytes() > MAX_KEPT_BYTES:
             return views
         _WORKSPACES[key] = views
@@ -379,32 +380,29 @@ def _workspace(NP: int, p: Problem, use_gv: bool, device):
     return views
 
 
+def _workspace(NP: int, p: Problem, use_gv: bool, device):
+    """The three launches' buffers: F and S [NP, H, *state], decay_k [NP, H, K] and decay_v [NP, H, V]
+    (None without gv), fp32, as views of one allocation (each part starting on a 128-byte
+    boundary), kept between calls (``_kept``)."""
+    return _kept("passes", NP, p, use_gv, device, lambda: _new_workspace(NP, p, use_gv, device))
+
+
 MIN_TILE = 16  # the narrowest BK, BV of any config: the most tiles, and flags, a state can have
 
 
 def _look_back_workspace(NP: int, p: Problem, use_gv: bool, device):
     """A one-launch call's buffers: the contributions [NP, H, *state], decay_k [NP, H, K] and decay_v
     [NP, H, V] (None without gv), fp32, as ``_workspace``'s F and decays; and the flags (one per
-    piece, head and tile of the narrowest tiles) and the ticket counter, int32, zero: a launch
-    leaves them zero, so they are kept for the next call of the same sizes on this device and
-    stream (``_WORKSPACES``), and inside a CUDA graph capture made anew (their zeroing captured)."""
-    cuda = device.type == "cuda"
-    capturing = cuda and torch.cuda.is_current_stream_capturing()
-    key = ("look_back", device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
-           p.state_v_first, use_gv)
-    views = None if capturing else _WORKSPACES.get(key)
-    if views is None:
+    piece, head and tile of the narrowest tiles) and the ticket counter, int32, zero. A launch
+    leaves them zero, so they are kept for the next call (``_kept``); inside a CUDA graph capture
+    they are made anew, their zeroing captured."""
+    def make():
         F, _, decay_k, decay_v = _new_workspace(NP, p, use_gv, device, with_S=False)
         n_flags = NP * p.H * _host.cdiv(p.K, MIN_TILE) * _host.cdiv(p.V, MIN_TILE)
         sync = torch.zeros(n_flags + 1, dtype=torch.int32, device=device)
-        views = (F, decay_k, decay_v, sync[:n_flags], sync[n_flags:])  # the flags, then the counter
-        if capturing or F.untyped_storage().nbytes() > MAX_KEPT_BYTES:
-            return views
-        _WORKSPACES[key] = views
-        while len(_WORKSPACES) > MAX_WORKSPACES:
-            _WORKSPACES.popitem(last=False)
-    _WORKSPACES.move_to_end(key)
-    return views
+        return F, decay_k, decay_v, sync[:n_flags], sync[n_flags:]  # the flags, then the counter
+
+    return _kept("look_back", NP, p, use_gv, device, make)
 
 
 def clear_workspaces() -> None:
