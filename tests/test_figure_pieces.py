@@ -48,6 +48,51 @@ def test_draw_has_the_three_labelled_steps():
         plt.close(fig)
 
 
-def test_main_writes_the_png(tmp_path):
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("n_pieces", [1, 2, 4, 7])
+def test_one_launch_schedule_follows_the_kernels_rules(n_pieces, reverse):
+    """The timeline the one-launch figure draws keeps the kernels' rules (pieces.piece_role,
+    fold_contributions, publish_contribution): every piece but the one nothing reads walks from zero
+    and publishes; each folds exactly the pieces before it (after it, nearest last, in reverse), in
+    the kernels' order, and starts its storing walk only after all of them published; no piece waits
+    on one that waits; the launch ends after two walks and a fold, or one walk with one piece."""
+    c, fold = 4, 0.5
+    rows = pieces.one_launch_schedule(n_pieces, c, reverse=reverse, fold_steps=fold)
+    assert [r["piece"] for r in rows] == list(range(n_pieces))
+    unread = 0 if reverse else n_pieces - 1
+    for r in rows:
+        p = r["piece"]
+        assert (r["walk0"] is None) == (p == unread)
+        assert r["folds"] == (list(range(n_pieces - 1, p, -1)) if reverse else list(range(p)))
+        assert all(rows[q]["walk0"] is not None for q in r["folds"])  # it waits only on pieces that publish
+        published = max((rows[q]["walk0"][1] for q in r["folds"]), default=0)
+        assert r["wait"][1] == max(published, r["walk0"][1] if r["walk0"] else 0)
+        assert r["fold"] == (r["wait"][1], r["wait"][1] + (fold if r["folds"] else 0))
+        assert r["walk1"] == (r["fold"][1], r["fold"][1] + c)
+    end = max(r["walk1"][1] for r in rows)
+    assert end == (c if n_pieces == 1 else 2 * c + fold)
+    assert rows[unread]["wait"] == (0, 0 if n_pieces == 1 else c)  # the piece nothing reads waits one walk
+
+
+def test_draw_one_launch_names_each_walk_and_fold():
+    fig = pieces.draw_one_launch(n_pieces=4, chunks_per_piece=4)
+    try:
+        (ax,) = fig.axes
+        texts = [t.get_text() for t in ax.texts]
+        assert [t for t in texts if t.startswith("walk 0")] == [f"walk 0: from 0 to $f_{p}$, $d_{p}$" for p in range(3)]
+        assert [t for t in texts if t.startswith("walk 1")] == (["walk 1: from $h_0$ = h0, storing"]
+                                                               + [f"walk 1: from $h_{p}$, storing" for p in (1, 2, 3)])
+        assert [t for t in texts if t.startswith("fold")][-1] == "fold: $h_3$ = h0 carried through $f_0$, $f_1$, $f_2$"
+        assert [t for t in texts if t.startswith("waits")] == ["waits for the flags of $f_0$, $f_1$, $f_2$"]
+        stored = sum(len(line.get_xdata()) for line in ax.lines if line.get_marker() == "|")
+        assert stored == 16  # one state entering each chunk, as the unsplit run stores them
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["one pass"] + [f"piece {p} (ticket {p})" for p in range(4)]
+        assert "one pass after 16" in ax.get_xlabel()
+    finally:
+        plt.close(fig)
+
+
+def test_main_writes_the_pngs(tmp_path):
     paths = pieces.main(tmp_path)
-    assert [p.name for p in paths] == ["pieces_steps.png"] and paths[0].stat().st_size > 0
+    assert [p.name for p in paths] == ["pieces_steps.png", "pieces_one_launch.png"]
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -1,4 +1,5 @@
-"""Chapter 11's figure: the three steps of sequence pieces (``chunkstate.pieces``).
+"""Chapter 11's figures: the three steps of sequence pieces (``chunkstate.pieces``), and how one
+launch runs them.
 
 A sequence is cut into pieces of whole splits (here 4 pieces of 4 chunks). Three rows, one per step:
 
@@ -10,6 +11,12 @@ A sequence is cut into pieces of whole splits (here 4 pieces of 4 chunks). Three
 
 (``chunkstate.pieces`` writes ``F_p``, ``D_p``, ``S_p`` for ``f_p``, ``d_p``, ``h_p``.) The labels
 use the piece index p = 0, 1, …; ``boundaries`` is the pure function that places the pieces.
+
+The second figure is the one launch that runs the three steps (the kernels' ``LOOK_BACK``) as a
+timeline of its programs, one per piece: walk 0 from zero, publishing ``f_p`` and ``d_p`` behind a
+flag (not the last piece: nothing reads it), the fold of every earlier piece's contribution once its
+flag is set, walk 1 from the true start, storing. ``one_launch_schedule`` is the pure function that
+times it, in chunk steps, idealised: every step one unit, every program started at once.
 """
 from __future__ import annotations
 
@@ -80,5 +87,84 @@ def draw(n_pieces: int = 4, chunks_per_piece: int = 4):
     return fig
 
 
+def one_launch_schedule(n_pieces: int, chunks_per_piece: int, reverse: bool = False,
+                        fold_steps: float = 0.5) -> list[dict]:
+    """The one launch's programs, one per piece (in time order), in chunk steps: every step one unit,
+    a fold ``fold_steps`` long, every program started at step 0 (the tickets hand the pieces out in
+    order, in reverse for the backward). Per piece a dict: ``walk0`` (start, end), or None for the
+    piece whose contribution nothing reads (the last; with ``reverse``, the first); ``folds``, the
+    pieces whose contributions it folds into its start, in the fold's order (those before it; after
+    it, nearest last, with ``reverse``); ``wait`` (start, end): from the end of its walk 0 (or step
+    0) until every piece it folds has published; ``fold`` (start, end), empty where it folds none;
+    ``walk1`` (start, end), from its true start, storing its states."""
+    boundaries(n_pieces, chunks_per_piece)  # the same checks
+    c = chunks_per_piece
+    reads = [p > 0 if reverse else p < n_pieces - 1 for p in range(n_pieces)]  # someone folds piece p
+    published = {p: c for p in range(n_pieces) if reads[p]}  # every walk 0 runs from step 0
+    rows = []
+    for p in range(n_pieces):
+        folds = list(range(n_pieces - 1, p, -1)) if reverse else list(range(p))
+        ready = c if reads[p] else 0
+        start = max([ready] + [published[q] for q in folds])
+        fold_end = start + (fold_steps if folds else 0)
+        rows.append(dict(piece=p, walk0=(0, c) if reads[p] else None, folds=folds, wait=(ready, start),
+                         fold=(start, fold_end), walk1=(fold_end, fold_end + c)))
+    return rows
+
+
+def draw_one_launch(n_pieces: int = 4, chunks_per_piece: int = 4):
+    """The forward's one launch over one sequence of ``n_pieces · chunks_per_piece`` chunks, as the
+    timeline of ``one_launch_schedule``: a row per piece's program (walk 0 and the flag it sets, the
+    wait, the fold naming the contributions it reads, walk 1 with a marker per stored state), and
+    below, one pass over the whole sequence for scale."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    rows = one_launch_schedule(n_pieces, chunks_per_piece)
+    whole = n_pieces * chunks_per_piece
+    fig, ax = plt.subplots(figsize=(10.5, 0.95 * n_pieces + 2.2))
+    y_of = {r["piece"]: n_pieces - r["piece"] for r in rows}  # piece 0 on top; one pass at y = 0
+    for r in rows:
+        p, y, colour = r["piece"], y_of[r["piece"]], f"C{r['piece'] % 10}"
+        if r["walk0"]:
+            a, b = r["walk0"]
+            ax.add_patch(Rectangle((a, y - 0.3), b - a, 0.6, facecolor=colour, alpha=0.3, edgecolor="k", lw=0.8))
+            ax.text(a + 0.15, y, f"walk 0: from 0 to $f_{p}$, $d_{p}$", ha="left", va="center", fontsize=9)
+            ax.plot([b], [y + 0.3], "v", color="k", ms=7)  # its flag, set after the stores
+            if p == rows[0]["piece"]:
+                ax.text(b, y + 0.42, "its flag", ha="center", va="bottom", fontsize=8)
+        a, b = r["wait"]
+        if b > a:
+            ax.add_patch(Rectangle((a, y - 0.3), b - a, 0.6, facecolor="none", edgecolor="0.5", hatch="///", lw=0.8))
+            ax.text((a + b) / 2, y, f"waits for the flags of {', '.join(f'$f_{q}$' for q in r['folds'])}",
+                    ha="center", va="center", fontsize=9, color="0.2", backgroundcolor="w")
+        a, b = r["fold"]
+        if b > a:
+            ax.add_patch(Rectangle((a, y - 0.3), b - a, 0.6, facecolor="0.3", edgecolor="k", lw=0.8))
+            ax.text(a, y - 0.36, f"fold: $h_{p}$ = h0 carried through {', '.join(f'$f_{q}$' for q in r['folds'])}",
+                    ha="left", va="top", fontsize=8)
+        a, b = r["walk1"]
+        ax.add_patch(Rectangle((a, y - 0.3), b - a, 0.6, facecolor=colour, alpha=0.65, edgecolor="k", lw=0.8))
+        start = "$h_0$ = h0" if not r["folds"] else f"$h_{p}$"
+        ax.text(a + 0.15, y + 0.1, f"walk 1: from {start}, storing", ha="left", va="center", fontsize=9)
+        ax.plot([a + i + 0.5 for i in range(int(b - a))], [y - 0.18] * int(b - a), "|", color="k", ms=6)
+    ax.add_patch(Rectangle((0, -0.3), whole, 0.6, facecolor="0.85", edgecolor="k", lw=0.8))
+    ax.text(0.15, 0, "one pass over the whole sequence, for scale", ha="left", va="center", fontsize=9)
+    end = max(r["walk1"][1] for r in rows)
+    ax.axvline(end, color="k", ls=":", lw=1)
+    ax.set_yticks([0] + [y_of[p] for p in range(n_pieces)])
+    ax.set_yticklabels(["one pass"] + [f"piece {p} (ticket {p})" for p in range(n_pieces)])
+    ax.set_ylim(-0.7, n_pieces + 0.8)
+    ax.set_xlim(0, whole + 0.5)
+    ax.set_xlabel(f"time, in chunk steps (schematic: every step one unit, every program started at once; dark: the "
+                  f"fold): {n_pieces} pieces end after two walks and a fold, one pass after {whole}")
+    ax.set_title("The three steps in one launch (forward, one head, one state tile; the backward mirrors it, the first "
+                 "piece skipping walk 0)", fontsize=9, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
 def main(out_dir):
-    return [save(draw(), "pieces_steps.png", out_dir)]
+    return [save(draw(), "pieces_steps.png", out_dir), save(draw_one_launch(), "pieces_one_launch.png", out_dir)]
