@@ -125,9 +125,8 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
     longest sequence's), cut into ``pieces`` (1: one pass) on ``sms`` multiprocessors:
     latency-bound chunk steps, each as long as ``waves`` says for the programs launched, and for
     pieces twice over (each piece walked twice) on ``pieces`` times the programs, plus the carry
-    between the walks (``SCAN_US``); never under
-    the host's time for the call (``COSTS``). Each step is g's scaled by the gate's ratios
-    (``GATE_STEPS``)."""
+    between the walks (``SCAN_US``); never under the host's time for the call (``COSTS``). Each step
+    is g's scaled by the gate's ratios (``GATE_STEPS``)."""
     c = COSTS[direction]
     step_ratio, piece_step_ratio = GATE_STEPS[direction][gate]
     if pieces == 1:
@@ -323,9 +322,11 @@ def fold_contributions(b_s, contributions, decay_k, decay_v, flags, i_h, i_k, i_
         ready = tl.atomic_add(flag, 0, sem="acquire")
         while ready == 0:
             ready = tl.atomic_add(flag, 0, sem="acquire")
-        b_s *= tl.math.exp2(tl.load(decay_k + o_p * K + o_k, mask=o_k < K, other=0.0, cache_modifier=".cg"))[:, None]
+        d_k = tl.load(decay_k + o_p * K + o_k, mask=o_k < K, other=0.0, cache_modifier=".cg")  # [BK]
+        b_s *= tl.math.exp2(d_k)[:, None]
         if USE_DECAY_V:
-            b_s *= tl.math.exp2(tl.load(decay_v + o_p * V + o_v, mask=o_v < V, other=0.0, cache_modifier=".cg"))[None, :]
+            d_v = tl.load(decay_v + o_p * V + o_v, mask=o_v < V, other=0.0, cache_modifier=".cg")  # [BV]
+            b_s *= tl.math.exp2(d_v)[None, :]
         b_s += load_state_cached(contributions + o_p * K * V, o_k, o_v, K, V, STATE_V_FIRST, ".cg")
         tl.atomic_add(flag, -1, sem="relaxed")
     return b_s
@@ -412,7 +413,8 @@ def clear_workspaces() -> None:
 
 
 def _new_workspace(NP: int, p: Problem, use_gv: bool, device, with_S: bool = True):
-    sizes = [NP * p.H * p.K * p.V, NP * p.H * p.K * p.V if with_S else 0, NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
+    state = NP * p.H * p.K * p.V
+    sizes = [state, state if with_S else 0, NP * p.H * p.K, NP * p.H * p.V if use_gv else 0]
     starts, total = [], 0
     for n in sizes:
         starts.append(total)

@@ -24,7 +24,7 @@ import chunkstate
 from chunkstate import bench, launch, pieces, testing, tuning
 from chunkstate.bench import Case, Shape, runner
 from chunkstate.bench import __main__ as cli
-from chunkstate.figures import speed
+from chunkstate.figures import committed, speed
 
 ON_GPU = chunkstate.DEVICE == "cuda"
 B8 = Shape(8, 4096, 16)
@@ -1119,7 +1119,7 @@ def test_merge_command_rebuilds_a_stored_two_process_run(tmp_path, capsys):
     """The committed seed 862431 was completed by a second process and merged by hand: split back into
     its two processes (the first also holding one direction of a shape it was cut in), ``--merge``
     gives back the same report, and writes its figure."""
-    stored = json.loads((Path(chunkstate.__file__).parent.parent / "figures" / "bench_h200_random_s862431.json").read_text())
+    stored = json.loads(committed("bench_h200_random_s862431.json").read_text())
     second_cases = set(stored["meta"]["second_process"]["cases"])
     meta_first = {k: v for k, v in stored["meta"].items() if k != "second_process"}
     meta_second = dict(meta_first, **{k: stored["meta"]["second_process"][k] for k in ("date", "host_probe", "copy")})

@@ -86,7 +86,8 @@ def test_draw_one_launch_names_each_walk_and_fold():
         assert [t for t in texts if t.startswith("waits")] == ["waits for the flags of $f_0$, $f_1$, $f_2$"]
         stored = sum(len(line.get_xdata()) for line in ax.lines if line.get_marker() == "|")
         assert stored == 16  # one state entering each chunk, as the unsplit run stores them
-        assert [t.get_text() for t in ax.get_yticklabels()] == ["one pass"] + [f"piece {p} (ticket {p})" for p in range(4)]
+        ticks = [t.get_text() for t in ax.get_yticklabels()]
+        assert ticks == ["one pass"] + [f"piece {p} (ticket {p})" for p in range(4)]
         assert "one pass after 16" in ax.get_xlabel()
     finally:
         plt.close(fig)

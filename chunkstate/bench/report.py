@@ -227,9 +227,10 @@ def merge_random(first: dict, second: dict, expected: list[tuple[str, str]]) -> 
     ``expected`` holds the seed's (case label, shape label) pairs in its order (from
     ``model.random_cases``). A shape comes whole from one process, both directions together: from
     the first where it holds both, else from the second, which must then hold both (a shape with
-    one direction in each is an error, not a mix); the merged cases follow the seed's order. The cases keep their own process's derived numbers (×floor, TB/s by that
-    process's copy bandwidth); ``meta`` is the first's, with ``meta.second_process`` naming the
-    second's cases, its date, host probe and copy bandwidth. Raises ValueError naming what does
+    one direction in each is an error, not a mix); the merged cases follow the seed's order. The
+    cases keep their own process's derived numbers (×floor, TB/s by that process's copy
+    bandwidth); ``meta`` is the first's, with ``meta.second_process`` naming the second's cases, its
+    date, host probe and copy bandwidth. Raises ValueError naming what does
     not fit: another mode or seed, a case the seed does not draw, a shape neither holds whole."""
     seeds = [(r.get("meta") or {}).get("random") or {} for r in (first, second)]
     for name, meta in zip(("first", "second"), seeds):
