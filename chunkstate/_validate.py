@@ -117,6 +117,10 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
 
 def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):
     """Check the four optional gates' shapes, dtypes and devices; return them contiguous."""
+    if isinstance(g, torch.Tensor) and g.dim() == 4 and tuple(g.shape) == (B, T, H, K):
+        # fla's chunk_gla calls its per-key gate g; here g is the scalar one, as in fla's chunk_fwd_h
+        raise ValueError(f"g must have shape [{B}, {T}, {H}] (one scalar gate per token and head), got "
+                         f"{list(g.shape)}: a per-key gate [B, T, H, K] (what fla's chunk_gla calls g) goes in gk=")
     g = None if g is None else tensor("g", g, (B, T, H), like=like)
     g_gamma = None if g_gamma is None else tensor("g_gamma", g_gamma, (H,), like=like)
     gk = None if gk is None else tensor("gk", gk, (B, T, H, K), like=like)

@@ -403,6 +403,7 @@ BAD = [
     ("v-shape", dict(v=torch.randn(1, 7, 2, 3)), ValueError, "v must have shape"),
     ("v-dtype", dict(v=torch.randn(1, 8, 2, 3, dtype=torch.float16)), TypeError, "v must have q's dtype"),
     ("g-shape", dict(g=torch.randn(1, 8, 3)), ValueError, "g must have shape"),
+    ("g-per-key", dict(g=torch.randn(1, 8, 2, 4)), ValueError, r"\[B, T, H, K\] \(what fla's chunk_gla calls g\) goes in gk="),
     ("gk-shape", dict(gk=torch.randn(1, 8, 2, 3)), ValueError, "gk must have shape"),
     ("g-not-tensor", dict(g=0.5), TypeError, "g must be a torch.Tensor"),
     ("scale-str", dict(scale="0.5"), TypeError, "scale must be a real number"),
