@@ -683,19 +683,28 @@ def test_explicit_pieces_only_below_two_waves():
 
 
 def test_run_case_times_the_explicit_piece_counts(monkeypatch):
+    """Each explicit count is timed, and the config its autotuner ran is recorded beside its time
+    (its tiles set how many programs its pieces launched)."""
     calls = []
+    tuner = types.SimpleNamespace(base_fn=types.SimpleNamespace(__name__="chunk_fwd_kernel_h"), best_config=None)
+    tiles = {None: (64, 64), 1: (32, 32), 2: (64, 128)}
 
     def fake_first(lib, jit, case, inp, **extra):
         calls.append(extra)
         ms = {None: 1.1, 1: 1.0, 2: 1.5}[extra.get("pieces")]
+        BK, BV = tiles[extra.get("pieces")]
+        tuner.best_config = triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=3)
         return {"first_call_s": 1.0, "compiled": 0}, None, lambda: ms
 
     monkeypatch.setattr(runner, "_first", fake_first)
     monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
-    libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None)
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None, ours_autotuners=[tuner])
     r = runner.run_case(Case(Shape(1, 8192, 2), "fwd"), None, libs, copy_tbps=4.0, explore=[1, 2])
     assert calls == [{}, {"pieces": 1}, {"pieces": 2}]
     assert r["pieces_ms"] == {"1": 1.0, "2": 1.5} and r["ours_one_pass"]["ms"] == 1.0
+    assert r["pieces_configs"] == {"1": {"chunk_fwd_kernel_h": [32, 32, 4, 3, False]},
+                                   "2": {"chunk_fwd_kernel_h": [64, 128, 4, 3, False]}}
+    assert r["ours"]["configs"] == {"chunk_fwd_kernel_h": [64, 64, 4, 3, False]}
     assert r["auto_over_best"] == pytest.approx(1.1)  # its own choice 10 % slower than pieces=1
 
 

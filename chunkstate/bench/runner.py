@@ -295,8 +295,9 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
             ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp, pieces=1))
     explicit = {}
     if explore and ours_ran:
-        for P in explore:
-            explicit[P], _, calls[f"pieces={P}"] = _first(libs.ours, libs.ours_jit, case, inp, pieces=P)
+        for P in explore:  # each count's configs too: its tiles set how many programs its pieces launch
+            explicit[P], _, calls[f"pieces={P}"] = _configs_run(
+                ours_at, lambda P=P: _first(libs.ours, libs.ours_jit, case, inp, pieces=P))
     ref = None
     if libs.fla is not None:
         r["fla"], ref, calls["fla"] = _configs_run(fla_at, lambda: _first(libs.fla, libs.fla_jit, case, inp))
@@ -314,11 +315,12 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
         if slot in timed:
             r[slot].update(timed[slot])
     if explicit:
-        r["pieces_ms"], r["pieces_rounds"] = {}, {}
+        r["pieces_ms"], r["pieces_rounds"], r["pieces_configs"] = {}, {}, {}
         for P, entry in explicit.items():
             entry.update(timed.get(f"pieces={P}", {}))
             r["pieces_ms"][str(P)] = entry.get("ms")
             r["pieces_rounds"][str(P)] = entry.get("rounds")
+            r["pieces_configs"][str(P)] = entry.get("configs")
             if P == 1:
                 r["ours_one_pass"] = entry
     return derive(r, copy_tbps)
