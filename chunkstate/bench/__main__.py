@@ -29,7 +29,8 @@ Modes:
 
 Per case: chunkstate's and fla's calls (and explicit piece counts where the random mode asks) are
 each called once, then timed together in 5 interleaved rounds of triton.testing.do_bench (warmup=2,
-rep=10 ms), each reported as the median of its rounds' medians. Reported beside: the pieces
+rep=10 ms), each round in its own shuffled order, each call reported as the median of its rounds'
+medians. Reported beside: the pieces
 chunkstate chose, the first call's wall time (compile + autotune; a fresh TRITON_CACHE_DIR unless
 --keep-cache, so the first case of each specialization pays its compiles: marked *), and how far
 ours is from fla's result. fla's 48 configs cost ~40 s of compiles per specialization, so

@@ -19,6 +19,7 @@ import importlib.metadata
 import itertools
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -56,22 +57,49 @@ def do_bench(fn, warmup: float = WARMUP_MS, rep: float = REP_MS) -> dict:
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
 
 
-def interleaved(fns: dict, rounds: int = ROUNDS) -> dict:
+def round_orders(names: list, rounds: int, seed: str = "") -> list[list]:
+    """The order of ``names`` in each of ``rounds`` rounds: a shuffle per round, seeded by ``seed``
+    (a case's label) and the round, so the same case is timed in the same orders in every process.
+
+    Not a rotation: rotating keeps every call behind the same neighbour in all but one round, so
+    whatever a neighbour does to the next call's time lands in every round of a case, and its
+    medians cannot wash it out. In the four stored random runs timed in rotated rounds, a call the
+    default kept in one pass ran behind fla-core, and its explicit twin (``pieces=1``, the same
+    launch) right behind it, in most rounds (four of five with four calls); paired by round, the twin came out more than
+    3 % faster in 23 of 76 cases and more than 3 % slower in none, where two identical launches
+    should differ either way alike (still 3 of 19 and none in the run made after ``pieces.choose``
+    stopped asking its cached model for a full grid; figures/README.md, "session 20"). Shuffled,
+    every call meets every neighbour by chance, and a neighbour's effect is noise the median over
+    the rounds absorbs.
+    """
+    out = []
+    for r in range(rounds):
+        order = list(names)
+        random.Random(f"{seed}|{r}").shuffle(order)  # a str seed is hashed by sha512: the same in every process
+        out.append(order)
+    return out
+
+
+def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
     """Time each of ``fns`` (name -> a no-argument function, each called once before) in ``rounds``
-    rounds of ``do_bench(ROUND_WARMUP_MS, ROUND_REP_MS)``, every function once per round, the order
-    rotated by one each round. Returns, by name, ``ms``, ``p20`` and ``p80``: the medians over the
-    rounds of each round's; ``rounds``: each round's median. A function that raises is timed no more
-    and gets ``{"error": ...}``."""
+    rounds of ``do_bench(ROUND_WARMUP_MS, ROUND_REP_MS)``, every function once per round, in the
+    orders ``round_orders(names, rounds, seed)`` gives. Returns, by name, ``ms``, ``p20`` and
+    ``p80``: the medians over the rounds of each round's; ``rounds``: each round's median; ``after``:
+    per round, the function timed just before it (None: first in its round). A function that raises
+    is timed no more and gets ``{"error": ...}``."""
     names = list(fns)
     per = {n: [] for n in names}
+    after = {n: [] for n in names}
     errors = {}
-    for r in range(rounds):
-        k = r % len(names) if names else 0
-        for n in names[k:] + names[:k]:
+    for order in round_orders(names, rounds, seed):
+        previous = None
+        for n in order:
             if n in errors:
                 continue
             try:
                 per[n].append(do_bench(fns[n], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS))
+                after[n].append(previous)
+                previous = n
             except Exception as e:
                 errors[n] = f"{type(e).__name__}: {str(e)[:500]}"
     out = {}
@@ -81,6 +109,7 @@ def interleaved(fns: dict, rounds: int = ROUNDS) -> dict:
             continue
         out[n] = {q: statistics.median(t[q] for t in per[n]) for q in ("ms", "p20", "p80")}
         out[n]["rounds"] = [t["ms"] for t in per[n]]
+        out[n]["after"] = after[n]
     return out
 
 
@@ -310,16 +339,17 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
             except Exception as e:  # e.g. different shapes: recorded, the timings stand
                 r["agree_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     del out, ref
-    timed = interleaved({name: fn for name, fn in calls.items() if fn is not None})
+    timed = interleaved({name: fn for name, fn in calls.items() if fn is not None}, seed=case.label)
     for slot in ("ours", "ours_one_pass", "fla"):
         if slot in timed:
             r[slot].update(timed[slot])
     if explicit:
-        r["pieces_ms"], r["pieces_rounds"], r["pieces_configs"] = {}, {}, {}
+        r["pieces_ms"], r["pieces_rounds"], r["pieces_after"], r["pieces_configs"] = {}, {}, {}, {}
         for P, entry in explicit.items():
             entry.update(timed.get(f"pieces={P}", {}))
             r["pieces_ms"][str(P)] = entry.get("ms")
             r["pieces_rounds"][str(P)] = entry.get("rounds")
+            r["pieces_after"][str(P)] = entry.get("after")
             r["pieces_configs"][str(P)] = entry.get("configs")
             if P == 1:
                 r["ours_one_pass"] = entry
@@ -419,7 +449,8 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
     return {**run_info(mode, cache), "copy": copy,
             "do_bench": {"rounds": ROUNDS, "warmup_ms": ROUND_WARMUP_MS, "rep_ms": ROUND_REP_MS,
                          "statistic": "per call, the median over the rounds of each round's median (p20, p80 "
-                                      "likewise); a case's calls interleaved, the order rotated each round"},
+                                      "likewise); a case's calls interleaved, each round in its own shuffled "
+                                      "order (round_orders, seeded by the case)"},
             "BT": BT, "inputs": "bf16 k, v / q, do; fp32 gates (chunk-local log2 cumsums); no h0, ht, dht",
             "bytes_model": " ".join(unique_bytes.__doc__.split()),
             "fla": libs.fla_info if libs else None}
