@@ -78,6 +78,32 @@ def _chunk_ids(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device)
     return offsets[seq] + pos // chunk_size
 
 
+GATE_NAMES = ("g", "g_gamma", "gk", "gv")
+
+
+def kernel_gates(gates: dict, chunk_size: int, cu_seqlens: torch.Tensor | None = None) -> dict:
+    """The kernels' form of natural-log per-token gates, ready to pass as keyword arguments:
+    ``chunk_fwd_h(k, v, **kernel_gates(gates, BT))``.
+
+    Args:
+        gates: any of ``g`` [B, T, H], ``gk`` [B, T, H, K], ``gv`` [B, T, H, V] (natural-log per-token
+            decays) and ``g_gamma`` [H] (a natural-log per-step decay), by name.
+        chunk_size: the kernels' BT (their ``chunk_size``): the sums restart every BT tokens.
+        cu_seqlens: [N + 1] offsets of a packed batch, or None.
+    Returns:
+        ``g``, ``gk``, ``gv`` as ``chunk_local_cumsum(x, chunk_size, cu_seqlens)`` (chunk-local
+        cumulative sums in log2 units, fp32) and ``g_gamma`` as ``RCP_LN2 * g_gamma`` (log2 units), for
+        the names given.
+    Raises:
+        ValueError naming a key that is not a gate (``GATE_NAMES``).
+    """
+    unknown = sorted(set(gates) - set(GATE_NAMES))
+    if unknown:
+        raise ValueError(f"gates may hold {', '.join(GATE_NAMES)}, got {', '.join(map(repr, unknown))}")
+    return {name: RCP_LN2 * x if name == "g_gamma" else chunk_local_cumsum(x, chunk_size, cu_seqlens)
+            for name, x in gates.items()}
+
+
 def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Tensor | None = None,
                        scale: float = RCP_LN2, reverse: bool = False,
                        dtype: torch.dtype = torch.float32, floor: float | None = MIN_GATE) -> torch.Tensor:

@@ -27,6 +27,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den
 
 
+def random_gates(B: int, T: int, H: int, K: int, V: int, *, mild: bool = False, device=None) -> dict:
+    """Fresh natural-log per-token gates for checks, all four kinds (``g``, ``g_gamma``, ``gk``,
+    ``gv``; ``gates.kernel_gates`` turns them into what the kernels take).
+
+    ``g = logsigmoid(x)`` with x ~ N(0, 1) (a decay of about e^-0.8 per token), ``gk`` and ``gv`` a
+    quarter of that (several key and value gates compound); ``mild``: ``logsigmoid(x + 3)`` for all
+    three (about e^-0.05 per token), so a state or gradient still carries the chunks before it and
+    a check sees them. ``g_gamma[h] = log(1 − 2^(−5−h))``: RetNet's per-head decays."""
+    def decay(*shape, share=1.0):
+        x = torch.randn(*shape, device=device)
+        return torch.nn.functional.logsigmoid(x + 3) if mild else torch.nn.functional.logsigmoid(x) * share
+
+    return dict(g=decay(B, T, H), g_gamma=torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, device=device))),
+                gk=decay(B, T, H, K, share=0.25), gv=decay(B, T, H, V, share=0.25))
+
+
 def _short(x: float, digits: int) -> str:
     """``x`` to ``digits`` significant digits in few characters: 0, 3.3e-17, 1e-12, 0.005."""
     mantissa, _, exponent = f"{x:.{digits}g}".partition("e")

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from chunkstate.gates import (RCP_LN2, chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets,
-                              prepare_lens)
-from chunkstate.testing import check_close
+from chunkstate.gates import (RCP_LN2, chunk_local_cumsum, kernel_gates, prepare_chunk_indices,
+                              prepare_chunk_offsets, prepare_lens)
+from chunkstate.testing import check_close, random_gates
 
 f64 = torch.float64
 CU_CASES = [[0, 0, 1, 40, 100], [0, 17, 17, 50], [0, 1], [0, 33, 33], [0, 64, 128, 129]]
@@ -123,3 +123,56 @@ def test_cumsum_rejects_bad_cu_seqlens(cu, why):
     gate = make_gate(1, 10, 2, None)
     with pytest.raises(ValueError, match=f"cu_seqlens must .*{why}"):
         chunk_local_cumsum(gate, 4, cu_seqlens=torch.tensor(cu))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel_gates: natural-log gates to the kernels' arguments; random_gates: gates for checks
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 40, 100]], ids=["dense", "packed"])
+def test_kernel_gates_is_each_gates_cumsum_and_log2_gamma(cu):
+    B, T, H, K, V, BT = (2, 100, 3, 5, 6, 16) if cu is None else (1, 100, 3, 5, 6, 16)
+    cu = None if cu is None else torch.tensor(cu)
+    nat = random_gates(B, T, H, K, V)
+    got = kernel_gates(nat, BT, cu)
+    assert set(got) == {"g", "g_gamma", "gk", "gv"}
+    for name in ("g", "gk", "gv"):
+        assert got[name].dtype == torch.float32
+        check_close(got[name], loop_cumsum(nat[name], BT, None if cu is None else cu.tolist(), scale=RCP_LN2),
+                    f"kernel_gates {name}", 1e-6)
+    assert torch.equal(got["g_gamma"], RCP_LN2 * nat["g_gamma"])
+    assert set(kernel_gates({"gk": nat["gk"]}, BT, cu)) == {"gk"}  # only the gates given
+
+
+def test_kernel_gates_drive_the_kernel_to_the_token_loop():
+    """What kernel_gates returns is what chunk_fwd_h takes: its states match the token loop run on
+    the natural-log gates."""
+    import chunkstate
+    from chunkstate import reference
+
+    B, T, H, K, V, BT = 1, 40, 2, 16, 16, 16
+    k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    nat = random_gates(B, T, H, K, V, mild=True)
+    h, ht = chunkstate.chunk_fwd_h(k, v, **kernel_gates(nat, BT), output_final_state=True, chunk_size=BT)
+    ref_h, ref_ht = reference.recurrent_states(k, v, **nat, chunk_size=BT)
+    check_close(h, ref_h, "chunk_fwd_h with kernel_gates vs the loop: h", 1e-4)
+    check_close(ht, ref_ht, "ht", 1e-4)
+
+
+def test_kernel_gates_names_a_key_that_is_no_gate():
+    with pytest.raises(ValueError, match="'gq'"):
+        kernel_gates({"g": torch.zeros(1, 4, 1), "gq": torch.zeros(1)}, 4)
+
+
+@pytest.mark.parametrize("mild", [False, True])
+def test_random_gates_shapes_and_strengths(mild):
+    B, T, H, K, V = 2, 400, 3, 4, 5
+    nat = random_gates(B, T, H, K, V, mild=mild)
+    shapes = {"g": (B, T, H), "g_gamma": (H,), "gk": (B, T, H, K), "gv": (B, T, H, V)}
+    assert {n: tuple(x.shape) for n, x in nat.items()} == shapes
+    assert all((x < 0).all() for x in nat.values())  # every gate decays
+    check_close(nat["g_gamma"], torch.log(1 - 2.0 ** (-5.0 - torch.arange(H))), "RetNet's decays", 1e-7)
+    mean_g = nat["g"].mean().item()  # E[logsigmoid(x)] ≈ -0.81 for x ~ N(0, 1); ≈ -0.07 for x + 3
+    assert (-0.12 < mean_g < -0.03) if mild else (-0.95 < mean_g < -0.68), mean_g
+    ratio = nat["gk"].mean().item() / mean_g
+    assert 0.6 < ratio < 1.6 if mild else 0.15 < ratio < 0.35, ratio  # gk a quarter of g's strength unless mild
