@@ -60,12 +60,6 @@ def natural_gates(names, B, T, H, K, V, device=DEVICE):
     return out
 
 
-def kernel_gates(nat, chunk_size, cu_seqlens):
-    """The kernels' form: chunk-local cumsums in log2 units; g_gamma times log2(e)."""
-    return {name: x * gates.RCP_LN2 if name == "g_gamma" else gates.chunk_local_cumsum(x, chunk_size, cu_seqlens)
-            for name, x in nat.items()}
-
-
 def make_case(B, T, H, G, K, V, gate_names, chunk_size, dtype, cu=None, h0=True, dht=True, device=DEVICE):
     """Fresh random inputs; returns (kernel inputs dict, natural gates, h0, dht, cu_seqlens)."""
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
@@ -86,7 +80,7 @@ def run_backward(inp, nat, h0, dht, cu, chunk_size, split_size=None, state_v_fir
     flip = (lambda x: None if x is None else x.transpose(-1, -2)) if state_v_first else (lambda x: x)
     with nan_poisoned_empty():
         dh, dh0 = chunk_bwd_dh(inp["q"], inp["k"], inp["v"], inp["do"], flip(h0), flip(dht), inp["scale"],
-                               **kernel_gates(nat, chunk_size, cu), state_v_first=state_v_first, cu_seqlens=cu,
+                               **gates.kernel_gates(nat, chunk_size, cu), state_v_first=state_v_first, cu_seqlens=cu,
                                chunk_size=chunk_size, split_size=split_size, states_in_fp32=states_in_fp32,
                                config=config, pieces=pieces)
     return flip(dh), flip(dh0)
@@ -303,7 +297,7 @@ def test_round_trip_loss_on_forward_split_states(gate_names, G, cu, BT, BS):
     # a h0 part), per (sequence, head)
     with nan_poisoned_empty():
         h, ht = chunk_fwd_h(torch.zeros_like(inp["k"]), torch.zeros_like(inp["v"]), h0=h0, output_final_state=True,
-                            cu_seqlens=cu_t, chunk_size=BT, split_size=BS, **kernel_gates(nat, BT, cu_t))
+                            cu_seqlens=cu_t, chunk_size=BT, split_size=BS, **gates.kernel_gates(nat, BT, cu_t))
     h, ht, h0, dht = cpu(h), cpu(ht), cpu(h0), cpu(dht)
     split_seq = torch.zeros(W.shape[1], dtype=torch.long).index_put_((split,), seq)  # sequence of each slot
     L = torch.zeros(N, H, dtype=torch.float64).index_add_(0, split_seq, (h[0].double() * W[0]).sum((2, 3))) \
@@ -328,7 +322,7 @@ def test_round_trip_adjoint_of_the_forward(gate_names, G, cu, BT):
     inp["k"].zero_()
     inp["v"].zero_()
     _, dh0 = run_backward(inp, nat, h0, dht, cu_t, BT)
-    lg = kernel_gates(nat, BT, cu_t)
+    lg = gates.kernel_gates(nat, BT, cu_t)
     with nan_poisoned_empty():
         h, ht = chunk_fwd_h(inp["k"], inp["v"], h0=h0, output_final_state=True, cu_seqlens=cu_t, chunk_size=BT, **lg)
     inp, lg, h, ht, h0, dht, dh0 = cpu(inp), cpu(lg), cpu(h), cpu(ht), cpu(h0), cpu(dht), cpu(dh0)
@@ -719,7 +713,7 @@ def test_gpu_matches_fla_where_fla_is_right(gate_names, dtype, cu, fla_one_confi
     ours = run_backward(inp, nat, h0, dht, cu, 64)
     with nan_poisoned_empty():
         theirs = fla.chunk_bwd_dh(inp["q"], inp["k"], inp["v"], inp["do"], h0, dht, inp["scale"],
-                                  **kernel_gates(nat, 64, cu), cu_seqlens=cu, chunk_size=64)
+                                  **gates.kernel_gates(nat, 64, cu), cu_seqlens=cu, chunk_size=64)
     check_close(ours[0], theirs[0], "dh vs fla", TOL[dtype])
     check_close(ours[1], theirs[1], "dh0 vs fla", TOL[dtype])
 
@@ -736,6 +730,6 @@ def test_gpu_fla_gqa_bug_is_not_ours(fla_one_config):
     check_close(dh0, ref_dh0, "dh0", TOL[torch.float32])
     with nan_poisoned_empty():
         _, fla_dh0 = fla.chunk_bwd_dh(inp["q"], inp["k"], inp["v"], inp["do"], h0, dht, inp["scale"],
-                                      **kernel_gates(nat, 64, cu), chunk_size=64)
+                                      **gates.kernel_gates(nat, 64, cu), chunk_size=64)
     err = rel_err(fla_dh0, ref_dh0)
     assert not err < 0.1, f"fla's GQA dh0 is within {err:.1e} of the loop: fixed upstream? update this test"

@@ -83,14 +83,6 @@ def natural_gates(B, T, H, K, V, names, device):
     return out
 
 
-def kernel_gates(nat, chunk_size, cu_seqlens):
-    """What the kernel reads: chunk-local log2 cumsums for g/gk/gv, log2 g_gamma."""
-    out = {}
-    for name, x in nat.items():
-        out[name] = x * RCP_LN2 if name == "g_gamma" else gates.chunk_local_cumsum(x, chunk_size, cu_seqlens)
-    return out
-
-
 def make_case(B, T, H, K, V, dtype, gate_names=(), use_h0=False, cu=None, device="cpu"):
     """Random inputs: k, v in ``dtype``, natural-log gates (fp32), h0 [N, H, K, V] fp32."""
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
@@ -110,7 +102,7 @@ def run_kernel(case, chunk_size=64, split_size=None, output_final_state=True, st
         h0 = h0.transpose(-1, -2).contiguous()
     with nan_poisoned_empty():
         h, ht = chunkstate.chunk_fwd_h(
-            case["k"], case["v"], **kernel_gates(case["nat"], chunk_size, case["cu_seqlens"]), h0=h0,
+            case["k"], case["v"], **gates.kernel_gates(case["nat"], chunk_size, case["cu_seqlens"]), h0=h0,
             output_final_state=output_final_state, state_v_first=state_v_first,
             cu_seqlens=case["cu_seqlens"], chunk_size=chunk_size, split_size=split_size,
             states_in_fp32=states_in_fp32, config=config, pieces=pieces)
@@ -546,7 +538,7 @@ def test_gpu_pieces_on_two_streams_and_in_a_cuda_graph():
         check_close(ht, ht1, f"call {i} on stream {i % 2}: ht, pieces=4 vs one pass", TOL_TF32)
 
     c = cases[0]
-    kw = dict(**kernel_gates(c["nat"], BT, None), h0=c["h0"], output_final_state=True, chunk_size=BT,
+    kw = dict(**gates.kernel_gates(c["nat"], BT, None), h0=c["h0"], output_final_state=True, chunk_size=BT,
               states_in_fp32=True, pieces=4)
     k, v = c["k"].clone(), c["v"].clone()
     side = torch.cuda.Stream()

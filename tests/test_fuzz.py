@@ -50,7 +50,6 @@ from hypothesis import strategies as st
 
 from chunkstate import gates, reference
 from chunkstate.backward import chunk_bwd_dh
-from chunkstate.gates import RCP_LN2
 from chunkstate.testing import check_close, nan_poisoned_empty
 
 ON_GPU = chunkstate.DEVICE == "cuda"
@@ -164,9 +163,8 @@ def tensors(c):
 
 
 def kernel_gates(x, BT):
-    """What the kernels read: fp32 chunk-local log2 cumsums (g, gk, gv) and log2 g_gamma."""
-    return {n: t * RCP_LN2 if n == "g_gamma" else gates.chunk_local_cumsum(t, BT, x["cu_seqlens"])
-            for n, t in x["nat"].items()}
+    """What the kernels read for case ``x``'s natural-log gates (``gates.kernel_gates``)."""
+    return gates.kernel_gates(x["nat"], BT, x["cu_seqlens"])
 
 
 def tolerance(c, kg) -> float:

@@ -35,7 +35,7 @@ import triton
 
 from chunkstate import gates, pieces, reference, tuning
 from chunkstate.backward import chunk_bwd_dh
-from chunkstate.gates import RCP_LN2, prepare_chunk_offsets
+from chunkstate.gates import prepare_chunk_offsets
 from chunkstate.testing import check_close, nan_poisoned_empty, rel_err
 
 DEVICE = chunkstate.DEVICE
@@ -46,12 +46,6 @@ TOL_FP32 = 2e-3 if ON_GPU else 1e-5  # tf32 tl.dot on a GPU; exact fp32 under th
 TOL_FP16 = 2e-3
 TOL_BF16 = 1e-2
 GATE_NAMES = ("g", "g_gamma", "gk", "gv")
-
-
-def kernel_gates(nat, BT, cu_seqlens=None):
-    """What the kernels read: chunk-local log2 cumsums (g, gk, gv), log2 g_gamma."""
-    return {n: x * RCP_LN2 if n == "g_gamma" else gates.chunk_local_cumsum(x, BT, cu_seqlens)
-            for n, x in nat.items()}
 
 
 def forward(k, v, kg, h0=None, cu=None, BT=32, BS=None, **kw):
@@ -107,7 +101,7 @@ def test_strong_decays_stay_finite_and_match_the_loop(names):
     T, H, K, V, HQ, BT = cu_host[-1], 2, 20, 12, 4, 64
     shapes = {"g": (1, T, H), "g_gamma": (H,), "gk": (1, T, H, K), "gv": (1, T, H, V)}
     nat = {n: -19 - 2 * torch.rand(*shapes[n], device=DEVICE) for n in names}
-    kg = kernel_gates(nat, BT, cu)
+    kg = gates.kernel_gates(nat, BT, cu)
     fwd_exp, bwd_exp = max_exponents(kg, BT, cu_host, T)
     assert fwd_exp <= 0 and bwd_exp <= 0, f"positive exponent: forward {fwd_exp}, backward {bwd_exp}"
     k, v = torch.randn(1, T, H, K, device=DEVICE), torch.randn(1, T, H, V, device=DEVICE)
@@ -144,7 +138,7 @@ def test_resets_inside_a_chunk_stay_within_the_cumsum_rounding(name):
     nat = F.logsigmoid(4 + torch.randn(*shape, device=DEVICE))
     reset = (torch.rand(B, T, H, device=DEVICE) < 0.25).reshape(B, T, H, *[1] * (len(shape) - 3))
     nat = torch.where(reset, torch.full_like(nat, -20.0), nat)
-    kg = kernel_gates({name: nat}, BT)
+    kg = gates.kernel_gates({name: nat}, BT)
     G_max = kg[name].abs().max().item()
     assert G_max > 200, "the draw must hold resets"
     tol = TOL_FP32 + 2 * (2 * math.log(2) * 2.0 ** -24 * G_max)
@@ -184,7 +178,7 @@ def test_zero_decays_and_huge_negative_gates_are_exact(pieces):
         nat["g"][0, t, 0] = -math.inf
     nat["gk"][1, 5, 1, 3] = -1e30
     nat["gv"][1, 40, 0, :] = -1e4
-    kg = kernel_gates(nat, BT)
+    kg = gates.kernel_gates(nat, BT)
     assert all(torch.isfinite(x).all() for x in kg.values() if x.dim() > 1), "the cumsums must be finite"
     tol = TOL_FP32 + 2 * (2 * math.log(2) * 2.0 ** -24 * max(x.abs().max().item() for x in kg.values() if x.dim() > 1))
     h0, dht = torch.randn(B, H, K, V, device=DEVICE), torch.randn(B, H, K, V, device=DEVICE)
@@ -231,7 +225,7 @@ def test_large_magnitudes_fp32():
     B, T, H, K, V, BT = 2, 100, 2, 20, 24, 32
     nat = {"g": F.logsigmoid(4 + torch.randn(B, T, H, device=DEVICE)),
            "gv": F.logsigmoid(4 + torch.randn(B, T, H, V, device=DEVICE))}
-    kg = kernel_gates(nat, BT)
+    kg = gates.kernel_gates(nat, BT)
     k, v = 1e3 * torch.randn(B, T, H, K, device=DEVICE), 1e3 * torch.randn(B, T, H, V, device=DEVICE)
     q, do = 1e3 * torch.randn(B, T, H, K, device=DEVICE), 1e3 * torch.randn(B, T, H, V, device=DEVICE)
     h0, dht = 1e6 * torch.randn(B, H, K, V, device=DEVICE), 1e6 * torch.randn(B, H, K, V, device=DEVICE)
@@ -252,7 +246,7 @@ def test_large_magnitudes_fp16_need_fp32_states():
     the backward's dh0 (always fp32) stay finite and right."""
     B, T, H, K, V, BT = 1, 100, 2, 20, 24, 32
     nat = {"g": F.logsigmoid(4 + torch.randn(B, T, H, device=DEVICE))}
-    kg = kernel_gates(nat, BT)
+    kg = gates.kernel_gates(nat, BT)
     k = (1e3 * torch.randn(B, T, H, K, device=DEVICE)).half()
     v = (1e3 * torch.randn(B, T, H, V, device=DEVICE)).half()
     h_ref, ht_ref = reference.recurrent_states(k, v, **nat, chunk_size=BT)
@@ -295,7 +289,7 @@ def _nan_case(G=1):
     cu = torch.tensor(CU, dtype=torch.int32, device=DEVICE)
     return dict(k=torch.randn(1, T, NH, K, device=DEVICE), v=torch.randn(1, T, NH, V, device=DEVICE),
                 q=torch.randn(1, T, NH * G, K, device=DEVICE), do=torch.randn(1, T, NH * G, V, device=DEVICE),
-                kg=kernel_gates(nat, BT_NAN, cu), h0=torch.randn(len(CU) - 1, NH, K, V, device=DEVICE),
+                kg=gates.kernel_gates(nat, BT_NAN, cu), h0=torch.randn(len(CU) - 1, NH, K, V, device=DEVICE),
                 dht=torch.randn(len(CU) - 1, NH, K, V, device=DEVICE), cu=cu)
 
 
@@ -413,7 +407,7 @@ def test_gpu_fp32_states_beat_bf16_states(record_property):
     B, T, H, HQ, K, V, BT = 2, 2048 + 17, 4, 8, 128, 128, 64
     nat = {"g": F.logsigmoid(4 + torch.randn(B, T, H, device=DEVICE)),
            "gk": F.logsigmoid(4 + torch.randn(B, T, H, K, device=DEVICE))}
-    kg = kernel_gates(nat, BT)
+    kg = gates.kernel_gates(nat, BT)
     k = torch.randn(B, T, H, K, device=DEVICE).bfloat16()
     v = torch.randn(B, T, H, V, device=DEVICE).bfloat16()
     q = torch.randn(B, T, HQ, K, device=DEVICE).bfloat16()
@@ -426,7 +420,7 @@ def test_gpu_fp32_states_beat_bf16_states(record_property):
     errs = {}
     for s32 in (True, False):
         h, _ = forward(k, v, kg, h0, BT=BT, states_in_fp32=s32)
-        kg300 = kernel_gates({n: x[:, :300] for n, x in nat.items()}, BT)
+        kg300 = gates.kernel_gates({n: x[:, :300] for n, x in nat.items()}, BT)
         dh, _ = backward(q[:, :300], k[:, :300], v[:, :300], do[:, :300], kg300, h0=h0, BT=BT, scale=K ** -0.5,
                          states_in_fp32=s32)
         assert h.dtype == dh.dtype == (torch.float32 if s32 else torch.bfloat16)
@@ -453,7 +447,7 @@ def test_gpu_long_sequence_65536(names):
         nat["g"] = F.logsigmoid(6 + torch.randn(B, T, H, device=DEVICE))  # ~-0.0025: memory ~400 tokens
     if "gk" in names:
         nat["gk"] = F.logsigmoid(6 + torch.randn(B, T, H, K, device=DEVICE))
-    kg = kernel_gates(nat, BT)
+    kg = gates.kernel_gates(nat, BT)
     k, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
     h0 = torch.randn(B, H, K, V, device=DEVICE)
     h_ref, ht_ref = reference.chunked_states(k, v, **nat, h0=h0, chunk_size=BT)
