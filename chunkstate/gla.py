@@ -13,9 +13,9 @@ token]``::
   ``chunk_fwd_h`` (one program per state tile walks the chunks in order);
 - the *intra-chunk* part is plain PyTorch, batched over every chunk of every sequence at once.
 
-The backward is the same split (NOTES.md §2). The kernel ``chunk_bwd_dh`` gives ``dh[n]``, the
-gradient w.r.t. the state *leaving* chunk n (outputs after it, plus ``dht``), and ``dh0``; then per
-chunk, with ``dA_ij = s · do_i·v_j`` (j ≤ i)::
+The backward is the same split (notebooks/10_complete_layer.ipynb, section 2, derives it). The
+kernel ``chunk_bwd_dh`` gives ``dh[n]``, the gradient w.r.t. the state *leaving* chunk n (outputs
+after it, plus ``dht``), and ``dh0``; then per chunk, with ``dA_ij = s · do_i·v_j`` (j ≤ i)::
 
     dv_j = s · Σ_{i≥j} P_ij do_i  +  (k_j ⊙ 2^{Γ−G_j})ᵀ dh[n]
     dq_i = s · 2^{G_i} ⊙ (h[n] do_i)  +  Σ_{j≤i} dA_ij · k_j ⊙ 2^{G_i−G_j}

@@ -33,7 +33,7 @@ def random_gates(B: int, T: int, H: int, K: int, V: int, *, mild: bool = False, 
 
     ``g = logsigmoid(x)`` with x ~ N(0, 1) (a decay of about e^-0.8 per token), ``gk`` and ``gv`` a
     quarter of that (several key and value gates compound); ``mild``: ``logsigmoid(x + 3)`` for all
-    three (about e^-0.05 per token), so a state or gradient still carries the chunks before it and
+    three (about e^-0.07 per token), so a state or gradient still carries the chunks before it and
     a check sees them. ``g_gamma[h] = log(1 − 2^(−5−h))``: RetNet's per-head decays."""
     def decay(*shape, share=1.0):
         x = torch.randn(*shape, device=device)
