@@ -91,11 +91,9 @@ def inputs(lengths: tuple, gate: str, strength: float, K: int, V: int, seed: int
 
 
 def kernel_gate(gate: str, nat: torch.Tensor, chunk_size: int, cu_seqlens) -> torch.Tensor:
-    """The gate as the kernels take it: the chunk-local cumulative sum in log2 units (g, gk, gv), or
-    the per-step decay in log2 units (g_gamma)."""
-    if gate == "g_gamma":
-        return (nat * _gates.RCP_LN2).float()
-    return _gates.chunk_local_cumsum(nat, chunk_size, cu_seqlens=cu_seqlens)
+    """One gate as the kernels take it (``gates.kernel_gates``), fp32: the chunk-local cumulative sum
+    in log2 units (g, gk, gv), or the per-step decay in log2 units (g_gamma)."""
+    return _gates.kernel_gates({gate: nat}, chunk_size, cu_seqlens)[gate].float()
 
 
 def states(lengths=(64,), gate: str = "g", strength: float = 0.1, chunk_size: int = 16, split_size: int | None = None,
