@@ -70,8 +70,8 @@ def final_state_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)  # one program per (sequence, head)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_nh = tl.program_id(0).to(tl.int64)  # one program per (sequence, head)
+    i_b, i_h = i_nh // H, i_nh % H  # a dense batch: sequence n is batch row b
     o_t = tl.arange(0, BT)  # [BT]
     o_k = tl.arange(0, K)  # [K]
     o_v = tl.arange(0, V)  # [V]
@@ -84,7 +84,7 @@ def final_state_kernel(
         b_k = tl.load(p_k0 + rows[None, :] * (H * K) + o_k[:, None], mask=m_t[None, :], other=0.0)  # [K, BT]
         b_v = tl.load(p_v0 + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, V]
         b_h = tl.dot(b_k, b_v, b_h)
-    tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_h)
+    tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_h)
 
 
 def final_state(k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:

@@ -81,9 +81,9 @@ def gv_states_kernel(
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
-    i_bh = pid // (NK * NV)
+    i_nh = pid // (NK * NV)
     i_k, i_v = (pid // NV) % NK, pid % NV
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = i_nh // H, i_nh % H  # a dense batch: sequence n is batch row b
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)  # [BT]
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]
