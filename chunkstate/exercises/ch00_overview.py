@@ -4,8 +4,8 @@ Write ``state_shapes(B, T, H, K, V, chunk_size, split_size=None, cu_seqlens=None
 returning the shapes (tuples of ints) of the two outputs of the forward pass:
 
 - ``h``: the state *entering* each split, ``[B, NS, H, K, V]``. A split is ``split_size`` tokens
-  of one sequence (``split_size`` defaults to ``chunk_size``); a sequence of L tokens owns
-  ``ceil(L / split_size)`` splits, the last one possibly short, an empty sequence none.
+  of one sequence (``split_size`` defaults to ``chunk_size``); a sequence n of L_n tokens owns
+  ``ceil(L_n / split_size)`` splits, the last one possibly short, an empty sequence none.
 - ``ht``: the final state of each sequence, ``[N, H, K, V]``.
 - a packed batch (``cu_seqlens`` given, a list or tensor [0, ..., T] of N + 1 offsets) has B = 1
   and N = len(cu_seqlens) - 1 sequences; otherwise each of the B rows is one sequence (N = B).
