@@ -153,7 +153,7 @@ def test_pieces_marked_as_pieces_run_plans_them():
     assert table.piece_offsets == (0, 256, 512, 768)
     assert sorted({r["piece"] for r in table.rows}) == [0, 1, 2]
     assert {r["first_slot"] for r in table.rows} == {0, 2, 4}
-    assert table.first_pass_bytes > 0
+    assert table.one_launch and table.first_walk_bytes()["read"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +220,43 @@ def test_bytes_with_several_tiles_read_inputs_again():
     assert four.total_bytes()["written"] == one.total_bytes()["written"]
     extra = four.total_bytes()["read"] - one.total_bytes()["read"]
     assert extra == tokens * D * 2 * (2 - 1) * 2 + tokens * 4 * (4 - 1)  # k and v once more each, g 3 more times
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_pieces_bytes_as_the_call_runs_them(direction, monkeypatch):
+    """In one launch each sequence's last piece (in the backward, its first) skips walk 0, and walk 1
+    reads the contributions it folds; in three launches the first pass walks every piece and the
+    storing pass reads the scan's start. B1 T768 H2 in 3 pieces of 256 tokens, 64 × 64 tiles."""
+    shape = dict(B=1, T=768, H=2, K=128, V=128, chunk_size=64, split_size=128, gates=("g",), direction=direction)
+    whole = explore.program_map(**shape, pieces=1)
+    one = explore.program_map(**shape, pieces=3, one_launch=True)
+    three = explore.program_map(**shape, pieces=3, one_launch=False)
+    assert one.one_launch and not three.one_launch and not whole.one_launch
+    monkeypatch.setattr(chunkstate.pieces, "ONE_LAUNCH", False)
+    assert not explore.program_map(**shape, pieces=3).one_launch  # the default follows pieces.ONE_LAUNCH
+    monkeypatch.setattr(chunkstate.pieces, "ONE_LAUNCH", True)
+    assert explore.program_map(**shape, pieces=3).one_launch
+    skipped = 2 if direction == "fwd" else 0  # the piece whose contribution nothing reads
+    assert {r["piece"] for r in one.rows if r["first_walk_read"] == 0} == {skipped}
+    assert all(r["first_walk_read"] > 0 and r["first_walk_written"] > 0 for r in three.rows)
+    inputs, tile = whole.total_bytes()["read"], 64 * 64 * 4  # no h0: the unsplit launch reads its inputs only
+    assert one.first_walk_bytes() == {"read": inputs * 2 // 3, "written": 16 * tile}  # 2 of 3 pieces, 8 tiles each
+    assert three.first_walk_bytes() == {"read": inputs, "written": 24 * tile}
+    assert one.total_bytes()["read"] == inputs + (0 + 1 + 2) * 8 * tile  # the fold: the pieces walked before
+    assert three.total_bytes()["read"] == inputs + 24 * tile  # each program's start, from the scan
+    assert one.total_bytes()["written"] == three.total_bytes()["written"] == whole.total_bytes()["written"]
+    reads = (one.total_bytes()["read"] + one.first_walk_bytes()["read"]) / inputs
+    assert 1.9 < reads < 2  # every piece's walk 0 counted, as the three launches' first pass, it is over 2:
+    assert (three.total_bytes()["read"] + three.first_walk_bytes()["read"]) / inputs > 2.2
+    ends = explore.program_map(**shape, pieces=3, one_launch=True, h0=True, output_final_state=True)
+    opens, closes = (0, 2) if direction == "fwd" else (2, 0)  # h0 / dht read, ht / dh0 written, in one launch
+    assert [e["bytes_read"] - r["bytes_read"] for e, r in zip(ends.rows, one.rows)] == \
+        [tile * (r["piece"] == opens) for r in one.rows]
+    assert [e["bytes_written"] - r["bytes_written"] for e, r in zip(ends.rows, one.rows)] == \
+        [tile * (r["piece"] == closes) for r in one.rows]
+    empty = explore.program_map(1, 130, 2, 128, 128, cu_seqlens=[0, 70, 70, 130], chunk_size=16, split_size=16,
+                                pieces=3, one_launch=True, direction=direction)
+    assert not empty.one_launch and all(r["first_walk_read"] > 0 for r in empty.rows)  # as pieces.run: three
 
 
 def test_gqa_reads_every_query_head():

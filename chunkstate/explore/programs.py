@@ -11,7 +11,8 @@ exactly an element the NaN-poisoned real output has filled.
 
 With ``pieces > 1`` the map is taken of the programs that store the states (the third step of
 ``chunkstate.pieces``: in one launch, every program's second walk), over the pieces packed as
-``pieces.run`` packs them.
+``pieces.run`` packs them; the bytes of the walks from zero are counted beside them, as the call
+runs them (one launch, or three: ``ProgramMap.first_walk_bytes``).
 
 The bytes of a row follow a simple model (``ProgramMap`` docstring): each program reads each of its
 tokens' rows of its tile's columns once. With one tile per (sequence, head) the rows add up to
@@ -85,7 +86,9 @@ class ProgramMap:
     - ``first_slot``, ``slots``: the state slots it stores, ``first_slot .. first_slot + slots - 1``
       of ``h.view(B·NS, ...)`` (``dh`` in the backward), each a [BK, BV] tile of head ``head``;
     - ``k0``, ``k1``, ``v0``, ``v1``: the state rows and columns of its tile (clipped to K, V);
-    - ``bytes_read``, ``bytes_written``: the model's bytes (below).
+    - ``bytes_read``, ``bytes_written``: the model's bytes of the walk that stores the states (below);
+    - ``first_walk_read``, ``first_walk_written``: those of the walk from zero over the same piece
+      and tile (with pieces; 0 where there is none).
 
     The bytes model: a program reads each of its tokens once, only its tile's columns: forward
     k [BK] and v [BV] (``dtype``), the gates it is given (``gate_dtype``: g one value, gk [BK],
@@ -93,15 +96,25 @@ class ProgramMap:
     tiles (``states_dtype``) and ht's tile (fp32) if asked. The backward reads q [BK] and do [BV]
     of each of its HQ / H query heads, the gates, dht's tile; writes dh's tiles and dh0's (fp32). The
     re-reads of each chunk's last gate row are not counted (they hit the cache). With
-    ``pieces > 1`` the rows are the walk that stores the states (in one launch every program's
-    second), each program starting from its folded fp32 state tile and writing no final state; the
-    first walk (as three launches, the first pass) reads the same inputs again and writes one fp32
-    tile per program, its contribution (its decays not counted): ``first_pass_bytes``. The fold
-    between them (the scan) is not counted.
+    ``pieces > 1`` the rows' ``bytes_read`` / ``bytes_written`` are the walk that stores the states,
+    and the walk from zero, which reads the same inputs again and writes one fp32 tile, the piece's
+    contribution (its decays, a row of the tile, not counted), is counted apart
+    (``first_walk_read`` / ``first_walk_written``), as the call runs them:
+
+    - **one launch** (``one_launch``: ``pieces.ONE_LAUNCH`` and no empty sequence), each program walks
+      twice. Walk 0 is skipped by each sequence's last piece (in the backward, its first): nothing
+      reads its contribution. Walk 1 starts from the fold: it reads the contribution tile (fp32) of
+      every piece before its own (in the backward, after it; their decays not counted), and the
+      sequence's first piece (in the backward, its last) reads h0's (dht's) tile if given; the
+      sequence's last piece (backward: first) writes ht's (dh0's) tile if asked.
+    - **three launches**: the first pass walks every piece; the storing pass reads each piece's
+      start (fp32) that the scan wrote and writes no final state. The scan between them is not
+      counted.
 
     Attributes also hold the launch: ``direction``, B, T, H, HQ, K, V, BT, BS, BK, BV, N, NS,
     ``lengths``, ``pieces`` (1 or the count used), ``piece_offsets`` (the pieces' starts on the
-    packed axis, [NP + 1]; the sequences' when not split), ``grid`` (the number of programs).
+    packed axis, [NP + 1]; the sequences' when not split), ``grid`` (the number of programs),
+    ``one_launch`` (the pieces run as one launch; False without pieces).
     """
     direction: str
     B: int
@@ -121,8 +134,8 @@ class ProgramMap:
     piece_offsets: tuple[int, ...]
     seq_offsets: tuple[int, ...]
     grid: int
+    one_launch: bool = False
     rows: list[dict] = field(default_factory=list)
-    first_pass_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -135,9 +148,16 @@ class ProgramMap:
         return [r[name] for r in self.rows]
 
     def total_bytes(self) -> dict[str, int]:
-        """The rows' bytes read and written, summed (the states' pass only)."""
+        """The rows' bytes read and written, summed (the walk that stores the states only)."""
         return {"read": sum(r["bytes_read"] for r in self.rows),
                 "written": sum(r["bytes_written"] for r in self.rows)}
+
+    def first_walk_bytes(self) -> dict[str, int]:
+        """The bytes read and written by the walks from zero (0 without pieces): in one launch the
+        walks 0 of all pieces but each sequence's last (backward: first), in three launches the first
+        pass over every piece (``ProgramMap``'s docstring)."""
+        return {"read": sum(r["first_walk_read"] for r in self.rows),
+                "written": sum(r["first_walk_written"] for r in self.rows)}
 
     def written_slots(self) -> set[tuple[int, int]]:
         """The (slot, head) pairs some program stores a state tile of, slots counted over B·NS."""
@@ -154,13 +174,15 @@ class ProgramMap:
         return pd.DataFrame(self.rows)
 
     def summary(self) -> str:
-        tot = self.total_bytes()
+        tot, first = self.total_bytes(), self.first_walk_bytes()
         split = f", {self.pieces} pieces" if self.pieces > 1 else ""
         return (f"{self.direction}: {self.grid} programs = {_host.cdiv(self.K, self.BK)}·{_host.cdiv(self.V, self.BV)}"
                 f" tiles x {self.N if self.pieces == 1 else len(self.piece_offsets) - 1}"
                 f" {'sequences' if self.pieces == 1 else 'pieces'} x {self.H} heads{split}; "
                 f"BT={self.BT} BS={self.BS} BK={self.BK} BV={self.BV}; {self.NS * self.B} state slots per head; "
-                f"{tot['read']:,} bytes read, {tot['written']:,} written")
+                f"{tot['read']:,} bytes read, {tot['written']:,} written" + (
+                    f" storing; walks from zero ({'one launch' if self.one_launch else 'three launches'}) "
+                    f"{first['read']:,} read, {first['written']:,} written" if self.pieces > 1 else ""))
 
     def __repr__(self) -> str:
         return f"ProgramMap({self.summary()})"
@@ -192,7 +214,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
                 split_size: int | None = None, pieces: int | None = 1, config: triton.Config | None = None,
                 direction: str = "fwd", HQ: int | None = None, gates=(), dtype: torch.dtype = torch.bfloat16,
                 gate_dtype: torch.dtype = torch.float32, states_in_fp32: bool = False, h0: bool = False,
-                output_final_state: bool = False, device=None) -> ProgramMap:
+                output_final_state: bool = False, one_launch: bool | None = None, device=None) -> ProgramMap:
     """The program map of one ``chunk_fwd_h`` (``direction="fwd"``) or ``chunk_bwd_dh`` ("bwd")
     launch, computed by ``program_map_kernel`` (module docstring).
 
@@ -208,6 +230,9 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
         dtype: the inputs' dtype; ``gate_dtype`` the gates'; ``states_in_fp32``: h / dh in fp32
             (else ``dtype``); ``h0`` / ``output_final_state``: whether h0 (backward: dh0 wanted) and
             ht (backward: dht given) are read / written (bytes only).
+        one_launch: with pieces, count the bytes of the one launch (True) or of the three (False);
+            default ``pieces.ONE_LAUNCH``, as the kernels run. A batch with an empty sequence takes
+            the three launches either way, as ``pieces.run`` does.
         device: where the map kernel runs (default ``chunkstate.DEVICE``).
     Returns:
         a ``ProgramMap``.
@@ -249,6 +274,8 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
         _, first_slots = _host.split_slots(_host.lengths(piece_offsets), p.BS, device)
         N, kernel_T, varlen = len(piece_offsets) - 1, B * T, True
         seq_of = [n for n in range(p.N) for _ in range(seq_pieces[n], seq_pieces[n + 1])]
+    one = _pieces.ONE_LAUNCH if one_launch is None else bool(one_launch)
+    one = P > 1 and one and min(p.lengths, default=0) > 0  # as pieces.run: an empty sequence takes three
 
     NK, NV = _host.cdiv(K, BK), _host.cdiv(V, BV)
     grid = NK * NV * N * H if N * H * K * V else 0
@@ -261,24 +288,38 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
 
     group = HQ // H if H else 1
     table = ProgramMap(direction, B, T, H, HQ, K, V, p.BT, p.BS, BK, BV, p.N, p.NS, p.lengths, P,
-                       tuple(piece_offsets), tuple(seq_offsets), grid)
-    first_piece = {}
+                       tuple(piece_offsets), tuple(seq_offsets), grid, one)
+    first_piece, last_piece = {}, {}
+    for i_p, seq in enumerate(seq_of):
+        first_piece.setdefault(seq, i_p)
+        last_piece[seq] = i_p
     for pid, values in enumerate(raw):
         r = dict(zip(COLUMNS, values))
         seq = seq_of[r["i_n"]]
-        first_piece.setdefault(seq, r["i_n"])
         k0, v0 = r["i_k"] * BK, r["i_v"] * BV
         k1, v1 = min(k0 + BK, K), min(v0 + BV, V)
         row = dict(pid=pid, seq=seq, head=r["i_h"], i_k=r["i_k"], i_v=r["i_v"], piece=r["i_n"] - first_piece[seq],
                    bos=r["bos"], length=r["length"], chunks=r["chunks"], first_slot=r["boh"], slots=r["slots"],
                    k0=k0, k1=k1, v0=v0, v1=v1)
         sizes = (group, gates, in_bytes, gate_bytes, state_bytes)
+        given, wanted = (h0, output_final_state) if direction == "fwd" else (output_final_state, h0)  # h0/dht, ht/dh0
+        row["first_walk_read"] = row["first_walk_written"] = 0
         if P == 1:  # h0 (dht) read, ht (dh0) written by the program itself
-            start, end = (h0, output_final_state) if direction == "fwd" else (output_final_state, h0)
-            row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=start, end=end, slots=True)
-        else:  # the storing walk starts every piece from its folded start; the first walk ends in its contribution
+            row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=given, end=wanted,
+                                                             slots=True)
+        elif one:  # walk 0 unless nothing reads its contribution; walk 1 from the fold of the pieces walked before
+            before = r["i_n"] - first_piece[seq] if direction == "fwd" else last_piece[seq] - r["i_n"]
+            after = last_piece[seq] - r["i_n"] if direction == "fwd" else r["i_n"] - first_piece[seq]
+            read, written = _bytes(direction, row, *sizes, start=given and before == 0, end=wanted and after == 0,
+                                   slots=True)
+            row["bytes_read"], row["bytes_written"] = read + before * _tile_bytes(row), written
+            if after:
+                row["first_walk_read"], row["first_walk_written"] = _bytes(direction, row, *sizes, start=False,
+                                                                           end=True, slots=False)
+        else:  # three launches: the first pass walks every piece; the storing pass reads the scan's start
             row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=True, end=False, slots=True)
-            table.first_pass_bytes += sum(_bytes(direction, row, *sizes, start=False, end=True, slots=False))
+            row["first_walk_read"], row["first_walk_written"] = _bytes(direction, row, *sizes, start=False, end=True,
+                                                                       slots=False)
         table.rows.append(row)
     return table
 
@@ -291,9 +332,14 @@ def _bytes(direction, row, group, gates, in_bytes, gate_bytes, state_bytes, *, s
     heads = group if direction == "bwd" else 1  # the backward's program reads its group's query heads
     read = L * heads * (bk + bv) * in_bytes
     read += L * gate_bytes * (("g" in gates) + bk * ("gk" in gates) + bv * ("gv" in gates))
-    tile = bk * bv * 4
+    tile = _tile_bytes(row)
     written = row["slots"] * bk * bv * state_bytes if slots else 0
     return read + start * tile, written + end * tile
+
+
+def _tile_bytes(row) -> int:
+    """One fp32 state tile of the program's (a start, an end state, a contribution)."""
+    return (row["k1"] - row["k0"]) * (row["v1"] - row["v0"]) * 4
 
 
 # ---------------------------------------------------------------------------------------------
