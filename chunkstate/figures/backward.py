@@ -1,7 +1,7 @@
 """Chapters 08–09's figure: the backward scan beside the forward one.
 
-Top: a sequence in chunks grouped into splits; the forward stores ``h[s]`` where a split *starts*,
-the backward walks from ``dht`` to ``dh0`` and stores ``dh[s]`` where a split *ends* — and where
+Top: a sequence in chunks grouped into splits; the forward stores ``h[m]`` where split m *starts*,
+the backward walks from ``dht`` to ``dh0`` and stores ``dh[m]`` where it *ends* — and where
 fla-core 0.6.0 stores it instead when ``split_size > chunk_size`` (the end of the split's first
 chunk). Bottom: the weight a token gets inside its chunk: ``2^{Γ − G_t}`` on its key in the
 forward, ``2^{G_t}`` on its query in the backward (``G`` the chunk-local cumsum in log2 units).
@@ -29,14 +29,14 @@ def draw(T: int = 160, BT: int = 32, BS: int = 64):
         e = min(s + BT, T)
         ax1.add_patch(Rectangle((s, 0), e - s, 1, facecolor=f"C{(n * BT // BS) % 10}", alpha=0.22, edgecolor="k"))
         ax1.text((s + e) / 2, 0.5, f"chunk {n}", ha="center", va="center", fontsize=8)
-    for i_s, s in enumerate(split_starts):
+    for m, s in enumerate(split_starts):
         e = min(s + BS, T)
         ax1.plot([s], [1.55], "o", color="C0", ms=7)  # forward: stored where the split starts
-        ax1.text(s, 1.85, f"h[{i_s}]", ha="center", fontsize=9, color="C0")
+        ax1.text(s, 1.85, f"h[{m}]", ha="center", fontsize=9, color="C0")
         ax1.add_patch(FancyArrowPatch((s + 2, 1.55), (e - 2, 1.55), arrowstyle="-|>", mutation_scale=10,
                                       color="C0", connectionstyle="arc3,rad=-0.3"))
         ax1.plot([e], [-0.55], "o", color="C1", ms=7)  # backward: stored where the split ends
-        ax1.text(e, -1.0, f"dh[{i_s}]", ha="center", fontsize=9, color="C1")
+        ax1.text(e, -1.0, f"dh[{m}]", ha="center", fontsize=9, color="C1")
         ax1.add_patch(FancyArrowPatch((e - 2, -0.55), (s + 2, -0.55), arrowstyle="-|>", mutation_scale=10,
                                       color="C1", connectionstyle="arc3,rad=-0.3"))
         first_end = min(s + BT, T)
@@ -44,13 +44,13 @@ def draw(T: int = 160, BT: int = 32, BS: int = 64):
             ax1.plot([first_end], [-0.55], "x", color="crimson", ms=9, mew=2)
     ax1.text(T + 3, -0.55, "dht", va="center", fontsize=9, color="C1")
     ax1.text(-3, -0.55, "dh0", va="center", ha="right", fontsize=9, color="C1")
-    ax1.plot([], [], "x", color="crimson", ms=9, mew=2, label="where fla-core 0.6.0 stores dh[s] (wrong)")
-    ax1.plot([], [], "o", color="C0", label="forward: h[s], the state entering split s")
-    ax1.plot([], [], "o", color="C1", label="backward: dh[s], the gradient leaving split s")
+    ax1.plot([], [], "x", color="crimson", ms=9, mew=2, label="where fla-core 0.6.0 stores dh[m] (wrong)")
+    ax1.plot([], [], "o", color="C0", label="forward: h[m], the state entering split m")
+    ax1.plot([], [], "o", color="C1", label="backward: dh[m], the gradient leaving split m")
     ax1.legend(loc="lower center", fontsize=8, ncol=3, frameon=False)
     ax1.set_ylim(-1.9, 2.5)
     ax1.set_yticks([])
-    ax1.set_title(f"T = {T}, chunks of BT = {BT}, splits of BS = {BS}: slot s serves split s from both sides",
+    ax1.set_title(f"T = {T}, chunks of BT = {BT}, splits of BS = {BS}: slot m serves split m from both sides",
                   fontsize=10)
     for side in ("top", "right", "left"):
         ax1.spines[side].set_visible(False)
