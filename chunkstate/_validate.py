@@ -11,7 +11,7 @@ import numbers
 import torch
 
 from . import _host
-from .env import INTERPRET
+from .env import INTERPRET, check_interpreter
 
 
 def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, like: torch.Tensor | None = None,
@@ -58,6 +58,7 @@ def kernel_input(name: str, x: torch.Tensor) -> None:
     if INTERPRET and x.device.type != "cpu":
         raise ValueError(f"{name} is on {x.device}, but Triton runs in interpreter mode "
                          "(TRITON_INTERPRET=1): pass CPU tensors")
+    check_interpreter()
     if not INTERPRET and x.device.type != "cuda":
         raise ValueError(f"{name} is on {x.device}, but chunkstate's kernels run compiled on a CUDA GPU "
                          "here: pass CUDA tensors (or set TRITON_INTERPRET=1 before importing chunkstate)")

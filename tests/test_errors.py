@@ -258,3 +258,42 @@ def test_bf16_refused_under_the_interpreter(ok):
     q = ok["k"].bfloat16()
     with pytest.raises(TypeError, match=r"q is bf16, which Triton's interpreter"):
         chunkstate.chunk_bwd_dh(q, q, args["v"], args["v"], None, None, 0.25, chunk_size=16)
+
+
+TRITON_FIRST = """
+import warnings
+import triton  # before chunkstate: Triton's helpers are made for a GPU
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import chunkstate
+import torch
+assert any("Import chunkstate before triton" in str(w.message) for w in caught), [str(w.message) for w in caught]
+k = torch.randn(1, 32, 1, 16)
+for call in (lambda: chunkstate.chunk_fwd_h(k, k, chunk_size=16),
+             lambda: chunkstate.explore.program_map(1, 32, 1, 16, 16, chunk_size=16)):
+    try:
+        call()
+    except RuntimeError as e:
+        assert "Import chunkstate before triton" in str(e), e
+    else:
+        raise AssertionError("a kernel call ran with Triton imported before the interpreter mode")
+print("refused")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only without a CUDA GPU does chunkstate set TRITON_INTERPRET")
+def test_triton_imported_first_gets_a_clear_error():
+    """On a machine without a GPU, ``import triton`` before ``import chunkstate`` leaves Triton's own
+    helpers made for a GPU, so the interpreter cannot run the kernels: the import warns, and a kernel
+    call raises RuntimeError saying to import chunkstate first (not an InterpreterError from inside
+    Triton)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    code = TRITON_FIRST.replace("import chunkstate\n", "import chunkstate\n    import chunkstate.explore\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1], env=env)
+    assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-3000:]

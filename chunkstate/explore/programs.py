@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import _host, launch, tuning
 from .. import pieces as _pieces
-from ..env import DEVICE
+from ..env import DEVICE, check_interpreter
 from ..kernel_parts import program_tile, sequence_bounds
 
 # What each program stores, one int64 per column, in this order.
@@ -281,6 +281,7 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
     grid = NK * NV * N * H if N * H * K * V else 0
     out = torch.full((grid, len(COLUMNS)), -1, dtype=torch.int64, device=device)
     if grid:
+        check_interpreter()
         with launch.serialised():
             program_map_kernel[(grid,)](cu, first_slots, out, kernel_T, H=H, K=K, V=V, BT=p.BT, BS=p.BS, BK=BK, BV=BV,
                                         IS_VARLEN=varlen, NCOL=len(COLUMNS))
