@@ -8,7 +8,7 @@ tile of one (sequence, KV head)'s gradient and walks that sequence's chunks from
 with ``Γ = G[last valid token]``::
 
     if the chunk closes a split:  store dh          (gradient w.r.t. the state *leaving* the split)
-    dh  ←  2^{Γ} · dh                                (back across the whole chunk's decay)
+    dh  ←  diag(2^{Γ}) · dh · diag(2^{Γv})           (back across the whole chunk's decay)
     dh  +=  scale · (q ⊙ 2^{G})ᵀ (do ⊙ 2^{Gv})       (the chunk's own outputs)
 
 The scalar gates ``g`` / ``g_gamma`` scale q's tokens and all of ``dh``; ``gk`` scales q per key
@@ -19,6 +19,7 @@ GQA (HQ query heads, a multiple of H; query head j reads KV head j // (HQ / H)):
 KV head h adds the HQ / H query heads of its group each chunk, so ``dh`` has H heads and needs no
 atomics.
 The parts the kernel is built from (and the fast paths behind them) are in ``kernel_parts``.
+Reading the kernel: as the forward's (its module docstring); in one pass only walk 1 runs.
 """
 from __future__ import annotations
 

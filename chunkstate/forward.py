@@ -1,16 +1,25 @@
 """The forward kernel: the states entering every split of every sequence, ``chunk_fwd_h``.
 
 One program owns one [BK, BV] tile of one (sequence, head)'s state and walks that sequence's
-chunks in order. Per chunk of BT tokens, with the gates' chunk-local cumulative sums ``G`` (log2)
-and ``Γ = G[last valid token]``::
+chunks in order. Per chunk of BT tokens, with the gates' chunk-local cumulative sums ``G`` (log2;
+key side: g, g_gamma and gk summed) and ``Gv`` (value side: gv), and ``Γ``, ``Γv`` their values at
+the chunk's last valid token::
 
-    if the chunk starts a split:  store h          (the state *entering* the split)
-    h  ←  2^{Γ} · h                                 (decay across the whole chunk)
-    h  +=  (k ⊙ 2^{Γ−G})ᵀ (v ⊙ 2^{Γ−G})            (the chunk's tokens, each decayed to the end)
+    if the chunk starts a split:  store h                        (the state *entering* the split)
+    h  ←  diag(2^{Γ}) · h · diag(2^{Γv})                          (decay across the whole chunk)
+    h  +=  (k ⊙ 2^{Γ−G})ᵀ (v ⊙ 2^{Γv−Gv})                         (each token decayed to the end)
 
-The scalar gates ``g`` / ``g_gamma`` scale v's rows; ``gk`` scales k (key side) and ``h``'s rows;
-``gv`` scales v's columns and ``h``'s columns. They compose: any combination may be given.
-The parts the kernel is built from (and the fast paths behind them) are in ``kernel_parts``.
+(chapter 03's chunk step). The scalar gates ``g`` / ``g_gamma`` scale all of ``h`` and, one
+number per token, v's rows (the same product as scaling k's; chapter 05); ``gk`` scales k per key
+and ``h``'s rows; ``gv`` scales v per value and ``h``'s columns. They compose: any combination may
+be given. The parts the kernel is built from (and the fast paths behind them) are in
+``kernel_parts``.
+
+Reading the kernel: a call in one pass (every call but chapter 11's pieces) has ``LOOK_BACK``
+False, so the ``for walk`` loop runs once (walk 1) and the chunk loop inside it is the step above;
+the lines under ``if LOOK_BACK`` / ``walk == 0`` and the ``b_decay_k`` / ``b_decay_v`` sums serve
+the pieces (``chunkstate.pieces``); ``USE_TMA`` and ``NARROW_V`` choose how tiles are loaded and v
+is scaled, not what is computed.
 """
 from __future__ import annotations
 
