@@ -245,12 +245,13 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     there from bucket 2. A third sweep, on the random benchmark's shapes where fla stayed ahead
     (2026-12-04): with K > V in bucket 2, 128×64 in place of 64×128 (which V would cut to 64×64)
     and 128×64 with 2 stages (B30 T4096 H6 K256 V64); with a vector gate, pointer 64×64 with 2
-    stages from bucket 2 on (gk at D64 and K256 V64), and in bucket 1 the wide TMA tile along the
+    stages from bucket 2 on (gk at D64 and K256 V64; in the TMA list), and in bucket 1 the wide TMA tile along the
     longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68). And
     in bucket 2, 64×64 with 4 warps and 4 stages: fla's winner where its constant-gate forward beat
     chunkstate's 3 stages on random shapes.
 
-    With a vector gate and TMA: TMA configs and one pointer config. Below a full wave the TMA loads
+    With a vector gate and TMA: TMA configs and one pointer config. Without TMA (before sm_90, or
+    inputs a descriptor cannot read) a vector gate takes the scalar gates' lists below. Below a full wave the TMA loads
     win (the pointer configs spill there); from a full wave on they tie with the best pointer
     config, which stays in the list. With scalar gates the pointer configs tie with TMA or win,
     except between an eighth and a quarter of a wave. Deeper TMA pipelines (6 stages) do not fit
