@@ -245,7 +245,8 @@ def chunk_bwd_dh(
     Returns:
         dh: [B, NS, H, K, V], ``dh[:, s]`` the gradient w.r.t. the state *leaving* split s (after
             its last token), counting the outputs after split s and ``dht``; summed over the HQ / H
-            query heads of each KV head (NS = ceil(T / BS); packed: [1, Σ_n ceil(L_n / BS), H, K, V]).
+            query heads of each KV head (fla-core 0.6.0 allocates HQ heads here, most of them never
+            written: chapter 09) (NS = ceil(T / BS); packed: [1, Σ_n ceil(L_n / BS), H, K, V]).
             With ``split_size`` = ``chunk_size`` this is fla's ``dh``.
         dh0: [N, H, K, V] fp32 gradient w.r.t. ``h0`` (= ``dht``, or 0, for an empty sequence), or
             None when ``h0`` is None.
