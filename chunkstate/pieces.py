@@ -68,7 +68,7 @@ class Cost(NamedTuple):
 # gate g, bf16, final states; the piece steps are the one launch's (session 19; the three launches'
 # passes measured 0.326 and 0.376 µs, session 15, and the one-pass steps came out the same to 1 ns).
 # The two fixed costs are the host's, and hosts and processes differ. One pass: the same host-bound
-# call (``bench.HOST_PROBE``) timed five times on two machines (figures/README.md, "2026-12-04, at
+# call (``bench.model.HOST_PROBE``) timed five times on two machines (figures/README.md, "2026-12-04, at
 # 936fe33"), the medians. In pieces, one launch: the same call in 2 pieces timed in three processes
 # on two H200 machines (figures/README.md, session 19): 37, 49 and 68 µs forward, 39, 50 and 56
 # backward, the medians; the three launches had cost 90 and 179 µs by the same measure. The overlap:
