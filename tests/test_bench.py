@@ -870,7 +870,16 @@ def test_auto_pieces_judged_paired_by_round():
     assert (s["paired_explored"], s["paired_ok"], s["paired_choices_explored"], s["paired_choice_ok"]) == (1, 1, 1, 0)
     assert bench.format_random_summary({"meta": {}, "cases": [r]}).endswith(
         "; paired by round: >= 0.97× fla in 0/0, geomean -, worst -; auto in 1/1 (100 %), worst 0.53× ("
-        + r["case"] + "), its count in 0/1 (0 %)")
+        + r["case"] + "), its count in 0/1 (0 %); the same launch twice (auto and its count, paired): "
+        "auto > 3 % slower in 0 of 1, faster in 0")
+    # auto and its twin (pieces=4, the same launch): rounds 1.0, 1.0, 0.5, 1.0, 1.0, the median 1.0 ...
+    assert r["auto_over_twin_paired"] == pytest.approx(1.0)
+    assert (s["twins"], s["twins_slower"], s["twins_faster"]) == (1, 0, 0)
+    slow = dict(r, ours=dict(r["ours"], rounds=[0.11, 0.22, 0.21, 0.22, 0.11]))  # ... and 10 % slower in each round
+    slow = bench.derive(slow, 4.0)
+    assert slow["auto_over_twin_paired"] == pytest.approx(1.1)
+    s2 = bench.random_summary({"meta": {}, "cases": [slow]})
+    assert (s2["twins"], s2["twins_slower"], s2["twins_faster"]) == (1, 1, 0)
     r["pieces_rounds"]["8"] = [0.19, 0.19, None, 0.19, 0.19]  # a round missing: not paired
     assert bench.derive(r, 4.0)["auto_over_best_paired"] is None
     r["fla"] = {"ms": 0.15, "valid": True, "rounds": [0.30, 0.15, 0.15, 0.15, 0.30]}  # slow where ours was fast

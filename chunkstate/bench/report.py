@@ -102,7 +102,10 @@ def random_summary(report: dict) -> dict:
     timed (``auto_over_best``) and as chosen (``choice_over_best``, the chosen count's explicit
     timing; counted over the cases where it was timed); and both paired by round (``paired_ok``,
     ``paired_choice_ok``: per round over the best count's timing in that round, the median; counted
-    over the cases whose calls have every round; fla / ours paired likewise: ``fla_paired_*``)."""
+    over the cases whose calls have every round; fla / ours paired likewise: ``fla_paired_*``); and
+    the measurement's own spread: where the chosen count was also timed explicitly, the same launch
+    twice, paired by round (``twins``, and how many came out more than ``PIECES_SLACK`` apart either
+    way: ``twins_slower``, ``twins_faster``)."""
     results = [r for r in report["cases"] if not r.get("skipped")]
 
     def named(key):  # (value, case) wherever the case has ``key``
@@ -126,6 +129,9 @@ def random_summary(report: dict) -> dict:
                          (("paired_choices_explored", "paired_choice_ok", "paired_choice_worst"),
                           "choice_over_best_paired")):
         out.update(zip(keys, against_best(named(source))))
+    twins = [x for x, _ in named("auto_over_twin_paired")]
+    out.update(twins=len(twins), twins_slower=sum(x > PIECES_SLACK for x in twins),
+               twins_faster=sum(x < 1 / PIECES_SLACK for x in twins))
     return out
 
 
@@ -147,7 +153,10 @@ def format_random_summary(report: dict) -> str:
             f"; paired by round: >= {WIN_AT}× fla in {pct(s['fla_paired_wins'], s['fla_paired_compared'])}, "
             f"geomean {_fmt(s['fla_paired_geomean'], '.2f')}, worst {_fmt(s['fla_paired_worst'], '.2f')}; "
             f"auto in {pct(s['paired_ok'], s['paired_explored'])}, worst {pw2}, its count in "
-            f"{pct(s['paired_choice_ok'], s['paired_choices_explored'])}"))
+            f"{pct(s['paired_choice_ok'], s['paired_choices_explored'])}")
+            + ("" if not s["twins"] else
+               f"; the same launch twice (auto and its count, paired): auto > {round(100 * (PIECES_SLACK - 1))} % "
+               f"slower in {s['twins_slower']} of {s['twins']}, faster in {s['twins_faster']}"))
 
 
 def format_sweep(report: dict) -> str:
