@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -42,11 +43,11 @@ def store_slot(i_t: int, NT: int, chunks_per_split: int) -> int | None:
 
 
 def _expected_slots(T: int, BT: int, BS: int) -> dict[int, int]:
-    """From the definition: dh[s] is the gradient leaving split s, i.e. after its last token."""
+    """From the definition: dh[m] is the gradient leaving split m, i.e. after its last token."""
     out = {}
-    for s in range(-(-T // BS)):
-        last_token = min((s + 1) * BS, T) - 1
-        out[last_token // BT] = s  # the chunk holding that token is the one that stores
+    for m in range(math.ceil(T / BS)):
+        last_token = min((m + 1) * BS, T) - 1
+        out[last_token // BT] = m  # the chunk holding that token is the one that stores
     return out
 
 
