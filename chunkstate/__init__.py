@@ -8,21 +8,20 @@ interpreter mode set after that cannot run kernels (a call then raises, saying s
 ``chunkstate.environment()`` tells which mode and device you are in.
 """
 import os as _os
-import sys as _sys
 
 if "TRITON_INTERPRET" not in _os.environ:
     import torch as _torch
 
     if not _torch.cuda.is_available():
         _os.environ["TRITON_INTERPRET"] = "1"
-        if "triton" in _sys.modules:  # too late for Triton's own helpers: kernel calls raise (env.check_interpreter)
-            import warnings as _warnings
-
-            _warnings.warn("chunkstate set TRITON_INTERPRET=1 (no CUDA GPU), but triton was imported first: "
-                           "its kernels cannot run in this process. Import chunkstate before triton.",
-                           stacklevel=2)
 
 from .env import DEVICE, INTERPRET, environment  # noqa: E402
+from .env import NOT_READY as _NOT_READY, interpreter_ready as _interpreter_ready  # noqa: E402
+
+if not _interpreter_ready():  # triton imported too early: every kernel call raises (env.check_interpreter)
+    import warnings as _warnings
+
+    _warnings.warn(_NOT_READY, stacklevel=2)
 from . import delta, gates, reference, testing  # noqa: E402
 from .forward import chunk_fwd_h  # noqa: E402
 from .backward import chunk_bwd_dh  # noqa: E402

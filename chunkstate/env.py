@@ -41,21 +41,27 @@ def environment() -> Environment:
     return Environment(INTERPRET, DEVICE, name, torch.__version__, triton.__version__)
 
 
-def check_interpreter() -> None:
-    """Raise RuntimeError where the kernels cannot run: under the interpreter (``INTERPRET``) with
-    Triton imported before the mode was set. Triton's own ``@triton.jit`` helpers (``tl.cdiv``,
-    ``tl.sum``, ...) are decorated when Triton is imported; imported before ``TRITON_INTERPRET=1``,
-    they are GPU functions, and an interpreted kernel that calls one fails deep inside Triton
-    ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+def interpreter_ready() -> bool:
+    """Whether the kernels can run in this mode: always when compiled; under the interpreter
+    (``INTERPRET``) only if Triton was imported after ``TRITON_INTERPRET=1`` was set. Triton's own
+    ``@triton.jit`` helpers (``tl.cdiv``, ``tl.sum``, ...) are decorated when Triton is imported;
+    imported before, they are GPU functions, and an interpreted kernel that calls one fails deep
+    inside Triton ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
     if not INTERPRET:
-        return
+        return True
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tl.standard.sum, InterpretedFunction):
-        raise RuntimeError(
-            "Triton was imported before TRITON_INTERPRET=1 was set, so its helpers were made for a GPU and "
-            "the interpreter cannot run chunkstate's kernels in this process. Import chunkstate before "
-            "triton (chunkstate sets TRITON_INTERPRET=1 when there is no CUDA GPU), or set TRITON_INTERPRET=1 "
-            "in the environment before Python starts")
+    return isinstance(tl.standard.sum, InterpretedFunction)
 
+
+NOT_READY = ("Triton was imported before TRITON_INTERPRET=1 was set, so its helpers were made for a GPU and the "
+             "interpreter cannot run chunkstate's kernels in this process. Import chunkstate before triton "
+             "(chunkstate sets TRITON_INTERPRET=1 when there is no CUDA GPU), or set TRITON_INTERPRET=1 in the "
+             "environment before Python starts")
+
+
+def check_interpreter() -> None:
+    """Raise RuntimeError (``NOT_READY``) where the kernels cannot run (``interpreter_ready``)."""
+    if not interpreter_ready():
+        raise RuntimeError(NOT_READY)

@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import types
@@ -754,12 +753,8 @@ def test_rotated_rounds_favoured_the_call_behind_its_twin():
     ratios = []
     for path in sorted(committed("bench_h200.json").parent.glob("bench_h200_random_s*.json")):
         for c in json.loads(path.read_text())["cases"]:
-            twin = (c.get("pieces_rounds") or {}).get("1")
-            if c.get("pieces") != 1 or not twin or "after" in c["ours"] or not c["ours"].get("rounds"):
-                continue  # a shuffled run records "after"; this is about the rotated ones
-            if None in twin or len(twin) != len(c["ours"]["rounds"]):
-                continue
-            ratios.append(statistics.median(a / b for a, b in zip(c["ours"]["rounds"], twin)))
+            if c.get("pieces") == 1 and c.get("ours") and "after" not in c["ours"] and bench.twin_ratio(c):
+                ratios.append(bench.twin_ratio(c))  # a shuffled run records "after"; this is about the rotated ones
     assert (len(ratios), sum(x > 1.03 for x in ratios), sum(x < 1 / 1.03 for x in ratios)) == (76, 23, 0)
 
 

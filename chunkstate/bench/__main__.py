@@ -30,11 +30,11 @@ Modes:
 Per case: chunkstate's and fla's calls (and explicit piece counts where the random mode asks) are
 each called once, then timed together in 5 interleaved rounds of triton.testing.do_bench (warmup=2,
 rep=10 ms), each round in its own shuffled order, each call reported as the median of its rounds'
-medians. Reported beside: the pieces
-chunkstate chose, the first call's wall time (compile + autotune; a fresh TRITON_CACHE_DIR unless
---keep-cache, so the first case of each specialization pays its compiles: marked *), and how far
-ours is from fla's result. fla's 48 configs cost ~40 s of compiles per specialization, so
-its list is cut to 8 H200 winners (--fla-all-configs keeps all 48); fla's GQA is never used.
+medians. Reported beside: the pieces chunkstate chose, the first call's wall time (compile +
+autotune; a fresh TRITON_CACHE_DIR unless --keep-cache, so the first case of each specialization
+pays its compiles: marked *), and how far ours is from fla's result. fla's 48 configs cost ~40 s
+of compiles per specialization, so its list is cut to 8 H200 winners (--fla-all-configs keeps all
+48); fla's GQA is never used.
 Outputs: a table on stdout and, in --out (default: figures/ under the current directory),
 bench_h200[_quick|_full|_sweep|_gla].json (rewritten after every case, so an interrupted run keeps
 what it measured) and a .png beside it (chunkstate.figures.speed).

@@ -308,10 +308,17 @@ def derive(result: dict, copy_tbps: float) -> dict:
     rounds = result.get("pieces_rounds") or {}
     result["auto_over_best_paired"] = paired_ratio(ours.get("rounds"), rounds.get(best))
     result["choice_over_best_paired"] = paired_ratio(rounds.get(chosen), rounds.get(best))
-    # the default call against its twin, the chosen count timed explicitly: the same launch, so how far
-    # apart they come out is the measurement's own spread, the floor under the 3 % criterion above
-    result["auto_over_twin_paired"] = paired_ratio(ours.get("rounds"), rounds.get(chosen))
+    result["auto_over_twin_paired"] = twin_ratio(result)
     return result
+
+
+def twin_ratio(result: dict) -> float | None:
+    """The default call over its twin, the count it chose timed explicitly, paired by round
+    (``paired_ratio``): the same launch twice, so how far apart they come out is the measurement's own
+    spread, the floor under the 3 % criterion on auto pieces. None where the chosen count was not
+    timed explicitly in every round."""
+    twin = (result.get("pieces_rounds") or {}).get(str(result.get("pieces")))
+    return paired_ratio((result.get("ours") or {}).get("rounds"), twin)
 
 
 def paired_ratio(a, b) -> float | None:

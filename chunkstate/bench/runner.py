@@ -65,12 +65,12 @@ def round_orders(names: list, rounds: int, seed: str = "") -> list[list]:
     whatever a neighbour does to the next call's time lands in every round of a case, and its
     medians cannot wash it out. In the four stored random runs timed in rotated rounds, a call the
     default kept in one pass ran behind fla-core, and its explicit twin (``pieces=1``, the same
-    launch) right behind it, in most rounds (four of five with four calls); paired by round, the twin came out more than
-    3 % faster in 23 of 76 cases and more than 3 % slower in none, where two identical launches
-    should differ either way alike (still 3 of 19 and none in the run made after ``pieces.choose``
-    stopped asking its cached model for a full grid; figures/README.md, "session 20"). Shuffled,
-    every call meets every neighbour by chance, and a neighbour's effect is noise the median over
-    the rounds absorbs.
+    launch) right behind it, in most rounds (four of five with four calls); paired by round
+    (``model.twin_ratio``), the twin came out more than 3 % faster in 23 of 76 cases and more than
+    3 % slower in none, where two identical launches should differ either way alike (still 3 of 19
+    and none in the run made after ``pieces.choose`` stopped asking its cached model for a full
+    grid; figures/README.md, "session 20"). Shuffled, every call meets every neighbour by chance,
+    and a neighbour's effect is noise the median over the rounds absorbs.
     """
     out = []
     for r in range(rounds):

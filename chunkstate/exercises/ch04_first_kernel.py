@@ -71,7 +71,7 @@ def final_state_kernel(
     BT: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)  # one program per (sequence, head)
-    i_b, i_h = i_nh // H, i_nh % H  # a dense batch: sequence n is batch row b
+    i_b, i_h = i_nh // H, i_nh % H  # sequence i_b (in a dense batch, batch row i_b), head i_h
     o_t = tl.arange(0, BT)  # [BT]
     o_k = tl.arange(0, K)  # [K]
     o_v = tl.arange(0, V)  # [V]

@@ -96,7 +96,7 @@ def gv_dh_kernel(
     pid = tl.program_id(0).to(tl.int64)
     i_nh = pid // (NK * NV)
     i_k, i_v = (pid // NV) % NK, pid % NV
-    i_b, i_h = i_nh // H, i_nh % H  # a dense batch: sequence n is batch row b
+    i_b, i_h = i_nh // H, i_nh % H  # sequence i_b (in a dense batch, batch row i_b), head i_h
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)  # [BT]
     o_k = i_k * BK + tl.arange(0, BK)  # [BK]

@@ -309,12 +309,12 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
             row["bytes_read"], row["bytes_written"] = _bytes(direction, row, *sizes, start=given, end=wanted,
                                                              slots=True)
         elif one:  # walk 0 unless nothing reads its contribution; walk 1 from the fold of the pieces walked before
-            before = r["i_n"] - first_piece[seq] if direction == "fwd" else last_piece[seq] - r["i_n"]
-            after = last_piece[seq] - r["i_n"] if direction == "fwd" else r["i_n"] - first_piece[seq]
-            read, written = _bytes(direction, row, *sizes, start=given and before == 0, end=wanted and after == 0,
+            earlier, later = r["i_n"] - first_piece[seq], last_piece[seq] - r["i_n"]
+            folded, readers = (earlier, later) if direction == "fwd" else (later, earlier)  # the backward walks back
+            read, written = _bytes(direction, row, *sizes, start=given and folded == 0, end=wanted and readers == 0,
                                    slots=True)
-            row["bytes_read"], row["bytes_written"] = read + before * _tile_bytes(row), written
-            if after:
+            row["bytes_read"], row["bytes_written"] = read + folded * _tile_bytes(row), written
+            if readers:
                 row["first_walk_read"], row["first_walk_written"] = _bytes(direction, row, *sizes, start=False,
                                                                            end=True, slots=False)
         else:  # three launches: the first pass walks every piece; the storing pass reads the scan's start
