@@ -102,6 +102,9 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
         raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu.dim()}-D {cu.dtype}")
     if cu.device != like.device:
         raise ValueError(f"cu_seqlens is on {cu.device} but the other inputs are on {like.device}")
+    if cu.device.type == "meta":
+        raise ValueError("cu_seqlens is on the meta device, which holds no values: pass the offsets on a device "
+                         "that does")
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
     if cu.numel() < 2:
@@ -132,15 +135,19 @@ def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def real(name: str, x) -> float:
+def real(name: str, x, fp32: bool = True) -> float:
     """A real number finite in fp32 (int, float, numpy scalar; not bool, not a tensor) as a Python
-    float.
+    float; with ``fp32=False`` finite in float64 (for PyTorch code, not a kernel).
 
     Kernels take it as an fp32 scalar argument that is never specialised on its value.
     """
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number (int or float), got {type(x).__name__}")
     x = float(x)
+    if not fp32:
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+        return x
     if not math.isfinite(x) or abs(x) > FP32_MAX:
         raise ValueError(f"{name} must be finite in fp32 (|{name}| <= {FP32_MAX:.4g}, the kernels take it as "
                          f"fp32), got {x}")
@@ -154,3 +161,33 @@ def flag(name: str, x) -> bool:
     if type(x).__name__ == "bool_":  # numpy.bool_
         return bool(x)
     raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__})")
+
+
+def positive_int(name: str, x) -> int:
+    """A positive int (numpy's too; not bool, not a float) as a Python int."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name} must be a positive int, got {x}")
+    return int(x)
+
+
+WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def config_values(config, flags: tuple[str, ...]) -> None:
+    """The values of an explicit ``triton.Config`` that ``launch.check_config`` leaves to Triton: its
+    ``flags`` keys (``USE_TMA``, ``NARROW_V``) bools when given, never a truthy string or number, and
+    ``num_warps`` / ``num_stages`` ints Triton compiles (a bad one fails deep in its compiler on a GPU,
+    and is ignored by the interpreter)."""
+    if config is None:
+        return
+    for name in flags:
+        if name in config.kwargs:
+            flag(f"config's {name}", config.kwargs[name])
+    warps = config.num_warps
+    if isinstance(warps, bool) or not isinstance(warps, int) or warps not in WARPS:
+        raise ValueError(f"config's num_warps must be 1, 2, 4, 8, 16 or 32 (a power of two), got {warps!r}")
+    stages = config.num_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"config's num_stages must be an int >= 0, got {stages!r}")

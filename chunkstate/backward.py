@@ -230,7 +230,7 @@ def chunk_bwd_dh(
             −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
             in these sums makes its (sequence, head)'s states non-finite from there on.
         g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
-            included, it counts as −160).
+            included, it counts as −160; NaN or +inf makes its head's gradients non-finite).
         state_v_first: store ``dh`` / ``dh0`` and read ``dht`` as [V, K] instead of [K, V].
         cu_seqlens: [N + 1] int offsets of sequences packed along T (then B must be 1).
         chunk_size: BT, a power of two in [16, 256] (the gates' cumsum must use the same).
@@ -285,11 +285,12 @@ def chunk_bwd_dh(
     if dht is not None:
         dht = _validate.tensor("dht", dht, (p.N, H, *p.state), like=q)
     launch.check_config(config, ("USE_TMA",))
+    _validate.config_values(config, ("USE_TMA",))
 
     dh = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=q.device) if h0 is not None else None
     P = _pieces.choose(pieces, p, "bwd", _pieces.gate_kind(g, g_gamma, gk, gv))
-    if P == 1:
+    if P == 1 or p.H * p.K * p.V == 0:  # (no state element, dh and dh0 empty: no launch, nothing to cut)
         _backward_pass(q, do, g, g_gamma, gk, gv, scale, p, config, cu_seqlens=p.cu_seqlens,
                        split_offsets=p.split_offsets, N=p.N, states=dh, start=dht, end=dh0)
     else:  # the pieces are packed along T: a dense batch is one packed row
@@ -307,7 +308,7 @@ def _backward_pass(q, do, g, g_gamma, gk, gv, scale, p: launch.Problem, config, 
     ``pieces.run``)."""
     args = dict(q=q, do=do, dh=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, dht=start, dh0=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
-                scale=scale, T=q.shape[1], H=p.H, NG=q.shape[2] // p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,
+                scale=scale, T=q.shape[1], H=p.H, NG=q.shape[2] // max(p.H, 1), K=p.K, V=p.V, BT=p.BT, BS=p.BS,
                 USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
                 USE_GV=gv is not None, USE_FINAL_STATE_GRADIENT=start is not None,
                 STORE_INITIAL_STATE_GRADIENT=end is not None, IS_VARLEN=cu_seqlens is not None,

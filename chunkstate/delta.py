@@ -35,7 +35,25 @@ import math
 
 import torch
 
+from . import _validate
 from .reference import _f64
+
+
+def _check(q, k, v, beta, h0, scale, chunk_size):
+    """The arguments of :func:`recurrent_delta` / :func:`chunked_delta`, checked (shapes, float
+    dtypes, one device): every mismatch a ValueError / TypeError naming the argument, never a
+    broadcast. Returns ``scale`` (a float, K ** -0.5 when None) and ``chunk_size`` (an int)."""
+    _validate.tensor("q", q, contiguous=False)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
+    B, T, H, K = q.shape
+    _validate.tensor("k", k, (B, T, H, K), like=q, contiguous=False)
+    _validate.tensor("v", v, (B, T, H, None), like=q, contiguous=False)
+    _validate.tensor("beta", beta, (B, T, H), like=q, contiguous=False)
+    if h0 is not None:
+        _validate.tensor("h0", h0, (B, H, K, v.shape[-1]), like=q, contiguous=False)
+    scale = K ** -0.5 if scale is None else _validate.real("scale", scale, fp32=False)
+    return scale, _validate.positive_int("chunk_size", chunk_size)
 
 
 def recurrent_delta(q, k, v, beta, h0=None, scale=None, chunk_size=64):
@@ -45,10 +63,13 @@ def recurrent_delta(q, k, v, beta, h0=None, scale=None, chunk_size=64):
     None (zeros); ``scale`` (default K ** -0.5); ``chunk_size``: which states to return.
     Returns ``o`` [B, T, H, V], ``h`` [B, NT, H, K, V] (the state entering each chunk) and ``ht``
     [B, H, K, V] (after the last token).
+    Raises TypeError / ValueError naming the argument for a shape that does not match (never a
+    broadcast), a tensor not floating-point or on another device, ``scale`` not a finite real number
+    or ``chunk_size`` not a positive int.
     """
+    scale, chunk_size = _check(q, k, v, beta, h0, scale, chunk_size)
     B, T, H, K = k.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
     q, k, v, beta = (_f64(x) for x in (q, k, v, beta))
     S = _f64(h0).clone() if h0 is not None else k.new_zeros(B, H, K, V)
     o = k.new_zeros(B, T, H, V)
@@ -68,6 +89,10 @@ def ut_transform(k, beta):
 
     ``k`` [..., L, K], ``beta`` [..., L] (any leading dimensions, one chunk of L tokens each).
     Returns ``T`` [..., L, L], lower triangular. A unit lower-triangular solve, not an inverse."""
+    _validate.tensor("k", k, contiguous=False)
+    if k.dim() < 2:
+        raise ValueError(f"k must have shape [..., L, K], got {list(k.shape)}")
+    _validate.tensor("beta", beta, tuple(k.shape[:-1]), like=k, contiguous=False)
     L = k.shape[-2]
     A = torch.tril(beta[..., :, None] * (k @ k.transpose(-1, -2)), diagonal=-1)
     eye = torch.eye(L, dtype=k.dtype, device=k.device).expand_as(A)
@@ -81,10 +106,10 @@ def chunked_delta(q, k, v, beta, h0=None, scale=None, chunk_size=64):
     ``ht`` [B, H, K, V], and ``v_new`` [B, T, H, V]: the pseudo-values ``Ũ − W h``, the values the
     state update actually adds.
     """
+    scale, chunk_size = _check(q, k, v, beta, h0, scale, chunk_size)
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT = chunk_size
-    scale = K ** -0.5 if scale is None else scale
     S = h0.to(k.dtype).clone() if h0 is not None else k.new_zeros(B, H, K, V)
     o, v_new = v.new_zeros(B, T, H, V, dtype=k.dtype), v.new_zeros(B, T, H, V, dtype=k.dtype)
     h = k.new_zeros(B, math.ceil(T / BT), H, K, V)

@@ -206,7 +206,7 @@ def chunk_fwd_h(
             −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
             in these sums makes its (sequence, head)'s states non-finite from there on.
         g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
-            included, it counts as −160).
+            included, it counts as −160; NaN or +inf makes its head's states non-finite).
         h0: [N, H, K, V] initial states (any float dtype; [N, H, V, K] with ``state_v_first``).
         output_final_state: also return ``ht``, the state after each sequence's last token.
         state_v_first: store ``h`` / read ``h0`` / write ``ht`` as [V, K] instead of [K, V].
@@ -251,6 +251,7 @@ def chunk_fwd_h(
     if h0 is not None:
         h0 = _validate.tensor("h0", h0, (p.N, H, *p.state), like=k)
     launch.check_config(config, ("USE_TMA", "NARROW_V"))
+    _validate.config_values(config, ("USE_TMA", "NARROW_V"))
     if config is not None and config.kwargs.get("NARROW_V") and not _narrow_v_applies(g, g_gamma, gv):
         raise ValueError("config asks for NARROW_V=True (v scaled by its scalar gate in v's own dtype), which needs "
                          "one of g and g_gamma given, not both, and no gv; pass NARROW_V=False or leave it out")
@@ -258,7 +259,7 @@ def chunk_fwd_h(
     h = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=k.device) if output_final_state else None
     P = _pieces.choose(pieces, p, "fwd", _pieces.gate_kind(g, g_gamma, gk, gv))
-    if P == 1:
+    if P == 1 or p.H * p.K * p.V == 0:  # (no state element, h and ht empty: no launch, nothing to cut)
         _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
                       N=p.N, states=h, start=h0, end=ht)
     else:  # the pieces are packed along T: a dense batch is one packed row

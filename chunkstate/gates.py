@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -38,7 +39,12 @@ def _check_chunk_size(chunk_size) -> None:
 
 
 def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Sequence lengths [N] from cumulative offsets ``cu_seqlens`` [N+1]."""
+    """Sequence lengths [N] from cumulative offsets ``cu_seqlens`` [N+1] (a 1-D int tensor; its values
+    are not checked here: that would wait for the GPU)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise TypeError(f"cu_seqlens must be a 1-D int tensor, got {cu_seqlens.dim()}-D {cu_seqlens.dtype}")
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
@@ -95,11 +101,18 @@ def kernel_gates(gates: dict, chunk_size: int, cu_seqlens: torch.Tensor | None =
         cumulative sums in log2 units, fp32) and ``g_gamma`` as ``RCP_LN2 * g_gamma`` (log2 units), for
         the names given.
     Raises:
-        ValueError naming a key that is not a gate (``GATE_NAMES``).
+        ValueError naming a key that is not a gate (``GATE_NAMES``); TypeError for ``gates`` not a
+        dict, or a value not a tensor.
     """
-    unknown = sorted(set(gates) - set(GATE_NAMES))
+    if not isinstance(gates, Mapping):
+        raise TypeError(f"gates must be a dict of gate tensors by name ({', '.join(GATE_NAMES)}), "
+                        f"got {type(gates).__name__}")
+    unknown = sorted(set(gates) - set(GATE_NAMES), key=repr)
     if unknown:
         raise ValueError(f"gates may hold {', '.join(GATE_NAMES)}, got {', '.join(map(repr, unknown))}")
+    for name, x in gates.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"gates[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
     return {name: RCP_LN2 * x if name == "g_gamma" else chunk_local_cumsum(x, chunk_size, cu_seqlens)
             for name, x in gates.items()}
 
@@ -125,13 +138,29 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
         tokens s of t's chunk with s <= t (s >= t when ``reverse``). Summed in float64 for accuracy.
     Raises:
         ValueError: ``gate`` not 3-D or 4-D; ``chunk_size`` not a positive int; ``cu_seqlens``
-        with B != 1, or not a 1-D int tensor [0, ..., T] that never decreases.
+        with B != 1, or not a 1-D int tensor [0, ..., T] that never decreases. TypeError / ValueError
+        for ``gate`` not a real tensor, ``scale`` not a finite real number, ``reverse`` not a bool,
+        ``dtype`` not a floating-point dtype, ``floor`` not None or a real number (NaN).
     """
+    gate = _validate.tensor("gate", gate, floating=False, contiguous=False)
+    if gate.is_complex():
+        raise TypeError(f"gate must be real, got dtype {gate.dtype}")
+    if gate.device.type == "meta":
+        raise ValueError("gate is on the meta device, which holds no values to sum")
     if gate.dim() not in (3, 4):
         raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
     if cu_seqlens is not None and gate.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
     _check_chunk_size(chunk_size)
+    scale = _validate.real("scale", scale, fp32=False)
+    reverse = _validate.flag("reverse", reverse)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if floor is not None:
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
+            raise TypeError(f"floor must be None or a real number, got {type(floor).__name__}")
+        if math.isnan(floor):
+            raise ValueError("floor must not be NaN (None: no floor)")
     T = gate.shape[1]
     # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
     _validate.cu_seqlens(cu_seqlens, gate.shape[0], T, like=gate if cu_seqlens is None else cu_seqlens)

@@ -351,8 +351,11 @@ def chunk_gla(
         g: [B, T, H] scalar gate, gk: [B, T, H, K] per-key gate: *natural-log* per-token decays
             (e.g. ``F.logsigmoid(x)``), any float dtype; the op takes their chunk-local cumulative
             sums itself (log2 units for the kernels). For overflow safety they should be <= 0;
-            −inf (a decay of zero) is allowed (``gates.MIN_GATE``). fla's ``chunk_gla`` names its
-            per-key gate ``g``: pass it here as ``gk`` (fla's ``chunk_simple_gla``'s ``g`` is ``g``).
+            −inf (a decay of zero) is allowed (``gates.MIN_GATE``); a NaN or +inf gate makes its
+            (sequence, head)'s outputs non-finite from its token on, and ``ht`` and the gradients of
+            that (sequence, head) too (not checked: a check would wait for the GPU). fla's
+            ``chunk_gla`` names its per-key gate ``g``: pass it here as ``gk`` (fla's
+            ``chunk_simple_gla``'s ``g`` is ``g``).
         scale: a real number (default ``K ** -0.5``, 1 when K = 0).
         initial_state: [N, H, K, V] (any float dtype), N = B, or the number of packed sequences.
         output_final_state: also return ``ht``.

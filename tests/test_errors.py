@@ -10,6 +10,7 @@ import torch
 import triton
 
 import chunkstate
+from chunkstate import delta, gates
 
 B, T, H, K, V = 2, 40, 3, 20, 24
 
@@ -235,10 +236,27 @@ def test_split_size_below_2_to_the_31(ok):
     (triton.Config({"BV": 32}), ValueError, r"config's BK must be 16, 32, 64 or 128 \(a tile width\), got None"),
     (triton.Config({"BK": 32, "BV": 32, "BT": 64}), ValueError, r"config has keys \['BT'\] this kernel does not take"),
     (triton.Config({"BK": 32, "BV": 32, "use_tma": True}), ValueError, r"config has keys \['use_tma'\]"),
-], ids=["dict", "str", "BK0", "BK48", "BV256", "BK-float", "no-BK", "BT", "misspelt"])
+    (triton.Config({"BK": 32, "BV": 32, "USE_TMA": "no"}), TypeError, r"config's USE_TMA must be a bool"),
+    (triton.Config({"BK": 32, "BV": 32, "USE_TMA": 1}), TypeError, r"config's USE_TMA must be a bool"),
+    (triton.Config({"BK": 32, "BV": 32, "NARROW_V": 0}), TypeError, r"config's NARROW_V must be a bool"),
+    (triton.Config({"BK": 32, "BV": 32}, num_warps=3), ValueError, r"config's num_warps must be 1, 2, 4, 8, 16 or 32"),
+    (triton.Config({"BK": 32, "BV": 32}, num_warps=0), ValueError, r"config's num_warps must be"),
+    (triton.Config({"BK": 32, "BV": 32}, num_stages=-1), ValueError, r"config's num_stages must be an int >= 0"),
+], ids=["dict", "str", "BK0", "BK48", "BV256", "BK-float", "no-BK", "BT", "misspelt", "tma-str", "tma-int",
+        "narrow-int", "warps3", "warps0", "stages-negative"])
 def test_malformed_configs(ok, config, exc, match):
     with pytest.raises(exc, match=match):
         chunkstate.chunk_fwd_h(**ok, config=config)
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    (triton.Config({"BK": 16, "BV": 16, "USE_TMA": "False"}), TypeError, r"config's USE_TMA must be a bool"),
+    (triton.Config({"BK": 16, "BV": 16}, num_warps=6), ValueError, r"config's num_warps must be"),
+], ids=["tma-str", "warps6"])
+def test_backward_config_values(device, config, exc, match):
+    q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
+    with pytest.raises(exc, match=match):
+        chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, config=config)
 
 
 def test_backward_config_takes_no_narrow_v(device):
@@ -247,6 +265,102 @@ def test_backward_config_takes_no_narrow_v(device):
     with pytest.raises(ValueError, match=r"config has keys \['NARROW_V'\] this kernel does not take; it takes BK, BV, "
                                          r"USE_TMA"):
         chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, config=cfg)
+
+
+# ------------------------------------------------------------------ no state element: empty outputs, not a crash
+
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("H,K,V", [(0, 16, 16), (2, 0, 16), (2, 16, 0)], ids=["H0", "K0", "V0"])
+def test_empty_states_run(device, H, K, V, pieces):
+    """H, K or V = 0 is valid (every state is empty): both kernels return empty outputs, also when
+    asked for pieces (which once crashed on the empty state tensor, and the backward on HQ / H)."""
+    k, v = torch.randn(2, 20, H, K, device=device), torch.randn(2, 20, H, V, device=device)
+    h, ht = chunkstate.chunk_fwd_h(k, v, chunk_size=16, output_final_state=True, pieces=pieces)
+    assert h.shape == (2, 2, H, K, V) and ht.shape == (2, H, K, V)
+    q, do = torch.randn(2, 20, 2 * H, K, device=device), torch.randn(2, 20, 2 * H, V, device=device)
+    dh, dh0 = chunkstate.chunk_bwd_dh(q, k, v, do, torch.zeros(2, H, K, V, device=device), None, 1.0, chunk_size=16,
+                                      pieces=pieces)
+    assert dh.shape == (2, 2, H, K, V) and dh0.shape == (2, H, K, V)
+
+
+def test_gla_with_no_heads_differentiates(device):
+    q, k, v = (torch.randn(1, 20, 0, 16, device=device, requires_grad=True) for _ in range(3))
+    o, _ = chunkstate.chunk_gla(q, k, v, chunk_size=16)
+    o.sum().backward()
+    assert o.shape == (1, 20, 0, 16) and q.grad.shape == q.shape
+
+
+# ------------------------------------------------------------------ gates helpers (plain PyTorch, any device)
+
+_gate = torch.zeros(1, 20, 2)
+_cu = torch.tensor([0, 8, 20])
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: gates.chunk_local_cumsum(_gate.tolist(), 16), TypeError, r"gate must be a torch\.Tensor"),
+    (lambda: gates.chunk_local_cumsum(_gate.to(torch.complex64), 16), TypeError, r"gate must be real"),
+    (lambda: gates.chunk_local_cumsum(_gate.to("meta"), 16), ValueError, r"gate is on the meta device"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, _cu.to("meta")), ValueError, r"cu_seqlens is on the meta device"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, dtype=torch.int32), TypeError,
+     r"dtype must be a floating-point torch\.dtype"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, dtype="float32"), TypeError, r"dtype must be a floating-point"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, scale=None), TypeError, r"scale must be a real number"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, scale=float("nan")), ValueError, r"scale must be finite"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, floor=float("nan")), ValueError, r"floor must not be NaN"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, floor=torch.tensor(-1.0)), TypeError,
+     r"floor must be None or a real number"),
+    (lambda: gates.chunk_local_cumsum(_gate, 16, reverse="no"), TypeError, r"reverse must be a bool"),
+    (lambda: gates.kernel_gates(_gate, 16), TypeError, r"gates must be a dict of gate tensors by name"),
+    (lambda: gates.kernel_gates({"g": None}, 16), TypeError, r"gates\['g'\] must be a torch\.Tensor, got NoneType"),
+    (lambda: gates.kernel_gates({"g_gamma": [-0.1, -0.2]}, 16), TypeError, r"gates\['g_gamma'\] must be a torch"),
+    (lambda: gates.prepare_chunk_offsets([0, 8, 20], 16), TypeError, r"cu_seqlens must be a torch\.Tensor"),
+    (lambda: gates.prepare_chunk_offsets(_cu.float(), 16), TypeError, r"cu_seqlens must be a 1-D int tensor"),
+    (lambda: gates.prepare_chunk_indices(_cu[None], 16), TypeError, r"cu_seqlens must be a 1-D int tensor"),
+], ids=["gate-list", "gate-complex", "gate-meta", "cu-meta", "dtype-int", "dtype-str", "scale-none", "scale-nan",
+        "floor-nan", "floor-tensor", "reverse-str", "gates-tensor", "gate-none", "gamma-list", "offsets-list",
+        "offsets-float", "indices-2d"])
+def test_gates_helpers(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ delta rule (plain PyTorch): no broadcasting
+
+_D = dict(q=torch.randn(2, 20, 2, 8), k=torch.randn(2, 20, 2, 8), v=torch.randn(2, 20, 2, 6),
+          beta=torch.rand(2, 20, 2), h0=torch.randn(2, 2, 8, 6))
+
+
+@pytest.mark.parametrize("fn", [delta.recurrent_delta, delta.chunked_delta], ids=["recurrent", "chunked"])
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(k=_D["k"][:1]), ValueError, r"k must have shape \[2, 20, 2, 8\], got \[1, 20, 2, 8\]"),
+    (dict(q=_D["q"][0]), ValueError, r"q must have shape \[B, T, H, K\], got \[20, 2, 8\]"),
+    (dict(v=_D["v"][:, :, :1]), ValueError, r"v must have shape \[2, 20, 2, \*\]"),
+    (dict(h0=_D["h0"][:1]), ValueError, r"h0 must have shape \[2, 2, 8, 6\]"),
+    (dict(h0=_D["h0"][0]), ValueError, r"h0 must have shape \[2, 2, 8, 6\]"),
+    (dict(beta=_D["beta"][..., None]), ValueError, r"beta must have shape \[2, 20, 2\]"),
+    (dict(k=_D["k"][:, :10]), ValueError, r"k must have shape \[2, 20, 2, 8\]"),
+    (dict(k=_D["k"].int()), TypeError, r"k must be a floating-point tensor"),
+    (dict(k=_D["k"].tolist()), TypeError, r"k must be a torch\.Tensor"),
+    (dict(k=_D["k"].to("meta")), ValueError, r"k is on meta but the other inputs are on cpu"),
+    (dict(chunk_size=0), ValueError, r"chunk_size must be a positive int"),
+    (dict(chunk_size=16.0), TypeError, r"chunk_size must be an int"),
+    (dict(scale=torch.tensor(0.5)), TypeError, r"scale must be a real number"),
+    (dict(scale=float("nan")), ValueError, r"scale must be finite"),
+], ids=["k-batch", "q-3d", "v-heads", "h0-batch", "h0-3d", "beta-4d", "k-time", "k-int", "k-list", "k-meta", "chunk0",
+        "chunk-float", "scale-tensor", "scale-nan"])
+def test_delta_inputs(fn, change, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**{**_D, "chunk_size": 8, **change})
+
+
+@pytest.mark.parametrize("k,beta,match", [
+    (torch.randn(16, 4), torch.rand(8), r"beta must have shape \[16\], got \[8\]"),
+    (torch.randn(16, 4), torch.rand(16, 1), r"beta must have shape \[16\]"),
+    (torch.randn(4), torch.rand(4), r"k must have shape \[\.\.\., L, K\]"),
+], ids=["beta-L", "beta-2d", "k-1d"])
+def test_ut_transform_inputs(k, beta, match):
+    with pytest.raises(ValueError, match=match):
+        delta.ut_transform(k, beta)
 
 
 @pytest.mark.skipif(not chunkstate.INTERPRET, reason="bf16 is refused only under Triton's interpreter")
