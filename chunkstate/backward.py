@@ -213,7 +213,8 @@ def chunk_bwd_dh(
     """Gradients w.r.t. the states leaving every split: a drop-in for fla-core 0.6.0's ``chunk_bwd_dh``.
 
     The loss is taken to be ``Σ_t ⟨o_t, do_t⟩ + ⟨ht, dht⟩`` with ``o_t = scale · S_tᵀ q_t`` the
-    outputs of the forward recurrence (``chunk_fwd_h``'s docstring; S_t the state after token t).
+    outputs of the forward recurrence (S_t the state after token t; the recurrence is in
+    ``chunk_fwd_h``'s docstring, the float64 loop ``chunkstate.reference.state_grads``).
 
     Args:
         q: [B, T, HQ, K] queries; HQ a multiple of H (GQA: query head j reads KV head j // (HQ / H)).
@@ -227,8 +228,10 @@ def chunk_bwd_dh(
         g: [B, T, H] scalar gate, gk: [B, T, H, K] key gate, gv: [B, T, H, V] value gate — each the
             *chunk-local inclusive cumulative sum in log2 units* of natural-log per-token gates
             (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
-            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
-            in these sums makes its (sequence, head)'s states non-finite from there on.
+            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. Read as fp32: keep
+            them in the fp32 ``chunk_local_cumsum`` returns (sums rounded to bf16 cost about 1e-3
+            of relative error in ``dh``, to fp16 about 1e-4). A non-finite value in these sums
+            makes its (sequence, head)'s gradients non-finite from there on.
         g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
             included, it counts as −160; NaN or +inf makes its head's gradients non-finite).
         state_v_first: store ``dh`` / ``dh0`` and read ``dht`` as [V, K] instead of [K, V].

@@ -198,13 +198,21 @@ def chunk_fwd_h(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The states entering every split: a drop-in for fla-core 0.6.0's ``chunk_fwd_h``.
 
+    The recurrence, token by token, with natural-log per-token gates (``chunkstate.reference``)::
+
+        S_t = diag(e^{g_t + g_gamma + gk_t}) · S_{t−1} · diag(e^{gv_t}) + k_t v_tᵀ    (S_t: [K, V])
+
+    and the kernel stores ``S`` entering every split of ``split_size`` tokens.
+
     Args:
         k: [B, T, H, K] keys; v: [B, T, H, V] values (same float dtype; fp16/bf16/fp32).
         g: [B, T, H] scalar gate, gk: [B, T, H, K] key gate, gv: [B, T, H, V] value gate — each the
             *chunk-local inclusive cumulative sum in log2 units* of natural-log per-token gates
             (``gates.chunk_local_cumsum(gate, chunk_size, cu_seqlens)``, which also makes a gate of
-            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. A non-finite value
-            in these sums makes its (sequence, head)'s states non-finite from there on.
+            −inf, a decay of zero, finite: ``gates.MIN_GATE``); any combination. Read as fp32: keep
+            them in the fp32 ``chunk_local_cumsum`` returns (sums rounded to bf16 cost several 1e-3
+            of relative error in ``h``, to fp16 several 1e-4). A non-finite value in these sums makes
+            its (sequence, head)'s states non-finite from there on.
         g_gamma: [H] constant per-step decay in log2 units (``RCP_LN2 * natural``; below −160, −inf
             included, it counts as −160; NaN or +inf makes its head's states non-finite).
         h0: [N, H, K, V] initial states (any float dtype; [N, H, V, K] with ``state_v_first``).

@@ -6,8 +6,9 @@ The kernels (like fla >= 0.5.2) take each per-token gate as a *chunk-local inclu
 sum in log2 units* (``G`` of chapter 00's notation; ``Gv`` for ``gv``): inside a chunk that starts
 at token c, ``G_t = log2(e) · Σ_{s=c..t} gate_s``; the sum restarts at every chunk (and at every
 sequence start in a packed batch), so within a chunk ``Γ − G_t <= 0`` for decaying gates (``Γ``:
-``G`` at the chunk's last token) and ``exp2`` of it never overflows. ``g_gamma`` is passed per
-token in log2 units, ``log2(e) · g_gamma``, and the kernels cumulate it themselves.
+``G`` at the chunk's last token) and ``exp2`` of it never overflows. ``g_gamma`` is passed as it
+is, one per-step decay per head in log2 units, ``log2(e) · g_gamma``, and the kernels cumulate it
+themselves.
 
 **Decays of zero.** A gate of −inf (a decay of exactly zero: the state forgets everything) is
 allowed, but its cumulative sum is −inf from that token to the end of the chunk, and the
