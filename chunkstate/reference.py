@@ -23,7 +23,11 @@ States are stored at *split* boundaries: a split is ``split_size`` tokens (defau
 [B, NS, H, K, V] (packed: [1, sum_n ceil(L_n / BS), H, K, V], sequence n's splits starting at
 ``gates.prepare_chunk_offsets(cu_seqlens, BS)[n]``).
 
-Everything is computed and returned in float64; pass any float dtype.
+Everything is computed and returned in float64; pass any float dtype, on any one device.
+Every function first checks its arguments (``_check``): a shape that does not match (never a
+broadcast), a tensor not floating-point or on another device, bad ``cu_seqlens`` offsets, a
+``scale`` not a finite real number or a chunk / split size not a positive int (the split a multiple
+of the chunk) is a TypeError / ValueError naming the argument.
 """
 from __future__ import annotations
 
@@ -31,7 +35,50 @@ import math
 
 import torch
 
+from . import _host, _validate
 from .gates import RCP_LN2, prepare_chunk_offsets
+
+_NOT_TAKEN = object()  # _check's default for q / do: the checked function has no such argument
+
+
+def _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens=None, *, q=_NOT_TAKEN, do=_NOT_TAKEN, dht=None, scale=None,
+           sizes=None):
+    """The arguments of the functions below, checked before anything is computed: exact shapes
+    (module doc; q / do with HQ heads, a positive multiple of H), float tensors (any float dtype,
+    any strides) on k's device, packed-batch offsets (B = 1; 0 first, never decreasing, T last),
+    ``scale`` a finite real number, ``sizes`` = (chunk_size, split_size) for a function that takes
+    them. Returns ``scale`` (a float; K ** -0.5 when None, 1 when K = 0) and the split (an int,
+    ``chunk_size`` when ``split_size`` is None; None without ``sizes``)."""
+    _validate.tensor("k", k, contiguous=False)
+    if k.dim() != 4:
+        raise ValueError(f"k must have shape [B, T, H, K], got {list(k.shape)}")
+    B, T, H, K = k.shape
+    _validate.tensor("v", v, (B, T, H, None), like=k, contiguous=False)
+    V = v.shape[-1]
+    _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
+    _, _, N = _validate.cu_seqlens(cu_seqlens, B, T, like=k)
+    for name, x in (("h0", h0), ("dht", dht)):
+        if x is not None:
+            _validate.tensor(name, x, (N, H, K, V), like=k, contiguous=False)
+    if q is not _NOT_TAKEN:
+        _validate.tensor("q", q, (B, T, None, K), like=k, contiguous=False)
+        HQ = q.shape[2]
+        grouped = HQ == 0 if H == 0 else (HQ > 0 and HQ % H == 0)  # HQ / H query heads per state head
+        if not grouped:
+            want = f"a positive multiple of k's H={H} (GQA: HQ / H query heads per state head)" if H else "0, as H"
+            raise ValueError(f"q's heads HQ must be {want}, got HQ={HQ}")
+    if do is not _NOT_TAKEN:
+        _validate.tensor("do", do, (B, T, q.shape[2], V), like=k, contiguous=False)
+    scale = (K ** -0.5 if K else 1.0) if scale is None else _validate.real("scale", scale, fp32=False)
+    if sizes is None:
+        return scale, None
+    chunk_size = _validate.positive_int("chunk_size", sizes[0])
+    if sizes[1] is None:
+        return scale, chunk_size
+    split_size = _validate.positive_int("split_size", sizes[1])
+    if split_size % chunk_size:
+        raise ValueError(f"split_size must be a positive multiple of chunk_size={chunk_size}, got {split_size}")
+    return scale, split_size
 
 
 def _f64(x):
@@ -42,9 +89,7 @@ def _segments(B: int, T: int, cu_seqlens):
     """(batch row, first token, end token, sequence index) for each sequence."""
     if cu_seqlens is None:
         return [(b, 0, T, b) for b in range(B)]
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
-    cu = [int(c) for c in cu_seqlens.tolist()]
+    cu = _host.host_offsets(cu_seqlens)  # as _check read them (a CUDA tensor's are cached: no second sync)
     return [(0, cu[n], cu[n + 1], n) for n in range(len(cu) - 1)]
 
 
@@ -75,7 +120,7 @@ def _scan(k, v, q=None, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seql
     a, b = _log_decays(B, T, H, K, V, g, g_gamma, gk, gv, k.device)
     segs = _segments(B, T, cu_seqlens)
     HQ = q.shape[2] if q is not None else H
-    group = HQ // H  # query heads per state head (GQA)
+    group = HQ // H if H else 1  # query heads per state head (GQA)
     states, finals = [], []
     outs = [[None] * T for _ in range(B)] if q is not None else None
     slot = 0
@@ -113,7 +158,8 @@ def recurrent_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_s
                      chunk_size=64, split_size=None):
     """The token loop's stored states: ``h`` [B,NS,H,K,V] (state entering each split) and the
     final state ``ht`` [N,H,K,V], both float64. Gates are natural-log per token (module doc)."""
-    h, ht, _ = _scan(k, v, None, g, g_gamma, gk, gv, h0, cu_seqlens, split_size or chunk_size)
+    _, split_size = _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens, sizes=(chunk_size, split_size))
+    h, ht, _ = _scan(k, v, None, g, g_gamma, gk, gv, h0, cu_seqlens, split_size)
     return h, ht
 
 
@@ -121,7 +167,7 @@ def recurrent_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, 
                       scale=None):
     """The token loop's outputs ``o_t = scale · S_tᵀ q_t``: ``o`` [B,T,HQ,V] and ``ht`` [N,H,K,V],
     float64. ``scale`` defaults to K ** -0.5."""
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    scale, _ = _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens, q=q, scale=scale)
     _, ht, o = _scan(k, v, q, g, g_gamma, gk, gv, h0, cu_seqlens, max(k.shape[1], 1), scale)
     return o, ht
 
@@ -137,8 +183,8 @@ def state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, h0=None, dh
     With GQA (``HQ / H`` query heads per state head) the gradient of a shared state sums over
     its query heads.
     """
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    split_size = split_size or chunk_size
+    scale, split_size = _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens, q=q, do=do, dht=dht, scale=scale,
+                               sizes=(chunk_size, split_size))
     B, T, H, K = k.shape
     V = v.shape[-1]
     segs = _segments(B, T, cu_seqlens)
@@ -156,14 +202,16 @@ def state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, h0=None, dh
         loss = (o * _f64(do)).sum()
         if dht is not None:
             loss = loss + (ht * _f64(dht)).sum()
-        grads = torch.autograd.grad(loss, leaves + [h0_leaf], allow_unused=True)
+        grads = torch.autograd.grad(loss, leaves + [h0_leaf], allow_unused=True) if loss.requires_grad \
+            else [None] * (n_slots + 1)  # no output and no dht (T = 0): every gradient is zero
     dh_list = [x if x is not None else torch.zeros(H, K, V, dtype=torch.float64, device=k.device)
                for x in grads[:-1]]
     if cu_seqlens is None:
-        dh = torch.stack(dh_list).view(B, -1, H, K, V) if dh_list else k.new_zeros(B, 0, H, K, V, dtype=torch.float64)
+        dh = torch.stack(dh_list).view(B, n_slots // B, H, K, V) if dh_list \
+            else k.new_zeros(B, 0, H, K, V, dtype=torch.float64)
     else:
         dh = torch.stack(dh_list)[None] if dh_list else k.new_zeros(1, 0, H, K, V, dtype=torch.float64)
-    return dh, grads[-1]
+    return dh, grads[-1] if grads[-1] is not None else torch.zeros_like(h0_leaf)
 
 
 def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seqlens=None,
@@ -179,9 +227,7 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
 
     Every exponent is ``<= 0`` for decaying gates: nothing overflows however long the sequence.
     """
-    split_size = split_size or chunk_size
-    if split_size % chunk_size:
-        raise ValueError(f"split_size={split_size} must be a multiple of chunk_size={chunk_size}")
+    _, split_size = _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens, sizes=(chunk_size, split_size))
     B, T, H, K = k.shape
     V = v.shape[-1]
     k, v = _f64(k), _f64(v)
@@ -221,7 +267,7 @@ def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, s
     (from its start, as in chapter 02). O(T²) memory:
     for checking the loop on small T only. Returns ``o`` [B,T,HQ,V] float64.
     """
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    scale, _ = _check(k, v, g, g_gamma, gk, gv, h0, q=q, scale=scale)
     B, T, H, K = k.shape
     V = v.shape[-1]
     HQ = q.shape[2]
@@ -229,7 +275,8 @@ def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, s
     a, b = _log_decays(B, T, H, K, V, g, g_gamma, gk, gv, k.device)
     G = RCP_LN2 * a.cumsum(1)  # [B, T, H, K]  from the sequence start, log2 units
     Gv = RCP_LN2 * b.cumsum(1) if b is not None else torch.zeros_like(v)
-    rep = lambda x: x.repeat_interleave(HQ // H, 2)  # noqa: E731  state head -> its query heads
+    group = HQ // H if H else 1  # query heads per state head (GQA)
+    rep = lambda x: x.repeat_interleave(group, 2)  # noqa: E731  state head -> its query heads
     G, Gv, k, v = rep(G), rep(Gv), rep(k), rep(v)
     causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()  # [i, j]: j <= i
     dG = (G[:, :, None] - G[:, None, :]).masked_fill(~causal[None, :, :, None, None], -math.inf)
@@ -237,6 +284,6 @@ def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, s
     scores = torch.einsum("bihk,bjhk,bijhk->bijh", q, k, torch.exp2(dG))  # [B, T, T, HQ]
     o = torch.einsum("bijh,bjhv,bijhv->bihv", scores, v, torch.exp2(dGv))
     if h0 is not None:
-        h0r = _f64(h0).repeat_interleave(HQ // H, 1)  # [B, HQ, K, V]
+        h0r = _f64(h0).repeat_interleave(group, 1)  # [B, HQ, K, V]
         o = o + torch.einsum("bihk,bhkv->bihv", q * torch.exp2(G), h0r) * torch.exp2(Gv)
     return scale * o

@@ -5,12 +5,15 @@ Tensors on another device are simulated with the ``meta`` device (no memory, any
 """
 from __future__ import annotations
 
+import inspect
+
+import numpy as np
 import pytest
 import torch
 import triton
 
 import chunkstate
-from chunkstate import delta, gates
+from chunkstate import delta, gates, reference
 
 B, T, H, K, V = 2, 40, 3, 20, 24
 
@@ -361,6 +364,109 @@ def test_delta_inputs(fn, change, exc, match):
 def test_ut_transform_inputs(k, beta, match):
     with pytest.raises(ValueError, match=match):
         delta.ut_transform(k, beta)
+
+
+# ------------------------------------------------------------------ the float64 oracle (reference.py): no broadcasting
+
+# A dense batch (B=2, T=20, H=2, HQ=4: GQA, K=8, V=6) and the same tokens packed in one row as two
+# sequences of 15 and 25 tokens (N=2). Each row below changes one argument, for every reference
+# function that takes it (chunk_size=4 where taken).
+_R = dict(q=torch.randn(2, 20, 4, 8), k=torch.randn(2, 20, 2, 8), v=torch.randn(2, 20, 2, 6),
+          do=torch.randn(2, 20, 4, 6), g=-torch.rand(2, 20, 2), g_gamma=-torch.rand(2),
+          gk=-torch.rand(2, 20, 2, 8), gv=-torch.rand(2, 20, 2, 6), h0=torch.randn(2, 2, 8, 6),
+          dht=torch.randn(2, 2, 8, 6), chunk_size=4)
+_RP = dict({n: x.reshape(1, 40, *x.shape[2:]) if x.dim() > 2 and n not in ("h0", "dht") else x
+            for n, x in _R.items() if n != "chunk_size"}, cu_seqlens=torch.tensor([0, 15, 40]), chunk_size=4)
+_REF_FNS = (reference.recurrent_states, reference.recurrent_outputs, reference.state_grads,
+            reference.chunked_states, reference.parallel_outputs)
+
+
+def _ref_rows(rows, args):
+    """(fn, arguments, exception, match) for every row and every function taking all it changes."""
+    out = []
+    for change, exc, match, rid in rows:
+        for fn in _REF_FNS:
+            takes = inspect.signature(fn).parameters
+            if set(change) <= set(takes) and ("cu_seqlens" in takes or "cu_seqlens" not in args):
+                call = {n: x for n, x in {**args, **change}.items() if n in takes}
+                out.append(pytest.param(fn, call, exc, match, id=f"{fn.__name__}-{rid}"))
+    return out
+
+
+_REF_DENSE = [
+    (dict(v=_R["v"][:, :, :1]), ValueError, r"v must have shape \[2, 20, 2, \*\], got \[2, 20, 1, 6\]", "v-H1"),
+    (dict(q=_R["q"][:1]), ValueError, r"q must have shape \[2, 20, \*, 8\], got \[1, 20, 4, 8\]", "q-B1"),
+    (dict(q=_R["q"][..., :1]), ValueError, r"q must have shape \[2, 20, \*, 8\]", "q-K1"),
+    (dict(q=_R["q"][:, :, :3]), ValueError, r"q's heads HQ must be a positive multiple of k's H=2.*got HQ=3",
+     "q-HQ3"),
+    (dict(q=None), TypeError, r"q must be a torch\.Tensor", "q-none"),
+    (dict(do=_R["do"][:, :, :2]), ValueError, r"do must have shape \[2, 20, 4, 6\]", "do-H"),
+    (dict(h0=_R["h0"][0]), ValueError, r"h0 must have shape \[2, 2, 8, 6\], got \[2, 8, 6\]", "h0-no-N"),
+    (dict(h0=_R["h0"][:1]), ValueError, r"h0 must have shape \[2, 2, 8, 6\]", "h0-N1"),
+    (dict(dht=_R["dht"][:1]), ValueError, r"dht must have shape \[2, 2, 8, 6\]", "dht-N1"),
+    (dict(gk=_R["gk"][..., :1]), ValueError, r"gk must have shape \[2, 20, 2, 8\], got \[2, 20, 2, 1\]", "gk-K1"),
+    (dict(gv=_R["gv"][..., :1]), ValueError, r"gv must have shape \[2, 20, 2, 6\]", "gv-V1"),
+    (dict(g=_R["g"][..., :1]), ValueError, r"g must have shape \[2, 20, 2\]", "g-H1"),
+    (dict(g=_R["gk"]), ValueError, r"g must have shape \[2, 20, 2\].*goes in gk=", "g-per-key"),
+    (dict(g_gamma=_R["g_gamma"][:1]), ValueError, r"g_gamma must have shape \[2\]", "gamma-H1"),
+    (dict(k=_R["k"][0]), ValueError, r"k must have shape \[B, T, H, K\], got \[20, 2, 8\]", "k-3d"),
+    (dict(k=_R["k"].int()), TypeError, r"k must be a floating-point tensor", "k-int"),
+    (dict(v=_R["v"].tolist()), TypeError, r"v must be a torch\.Tensor", "v-list"),
+    (dict(v=_R["v"].to("meta")), ValueError, r"v is on meta but the other inputs are on cpu", "v-meta"),
+    (dict(chunk_size=0), ValueError, r"chunk_size must be a positive int, got 0", "chunk0"),
+    (dict(chunk_size=4.0), TypeError, r"chunk_size must be an int", "chunk-float"),
+    (dict(chunk_size=None), TypeError, r"chunk_size must be an int", "chunk-none"),
+    (dict(split_size=6), ValueError, r"split_size must be a positive multiple of chunk_size=4, got 6", "split6"),
+    (dict(split_size=0), ValueError, r"split_size must be a positive int, got 0", "split0"),
+    (dict(scale=float("nan")), ValueError, r"scale must be finite", "scale-nan"),
+    (dict(scale=float("inf")), ValueError, r"scale must be finite", "scale-inf"),
+    (dict(scale=torch.tensor(0.5)), TypeError, r"scale must be a real number", "scale-tensor"),
+    (dict(cu_seqlens=torch.tensor([0, 10, 20])), ValueError, r"with cu_seqlens the batch size must be 1.*got B=2",
+     "cu-B2"),
+]
+_REF_PACKED = [
+    (dict(cu_seqlens=torch.tensor([0, 30, 20, 40])), ValueError, r"cu_seqlens must be non-decreasing", "cu-decreasing"),
+    (dict(cu_seqlens=torch.tensor([0, 15, 39])), ValueError, r"cu_seqlens must end at T=40, got 39", "cu-last"),
+    (dict(cu_seqlens=torch.tensor([1, 15, 40])), ValueError, r"cu_seqlens must start at 0, got 1", "cu-first"),
+    (dict(cu_seqlens=torch.tensor([[0, 15, 40]])), TypeError, r"cu_seqlens must be a 1-D int32/int64", "cu-2d"),
+    (dict(cu_seqlens=torch.tensor([0.0, 15.0, 40.0])), TypeError, r"cu_seqlens must be a 1-D int32/int64", "cu-float"),
+    (dict(cu_seqlens=[0, 15, 40]), TypeError, r"cu_seqlens must be a torch\.Tensor", "cu-list"),
+    (dict(cu_seqlens=torch.tensor([0, 15, 15, 40])), ValueError, r"h0 must have shape \[3, 2, 8, 6\]", "h0-N2-of-3"),
+    (dict(h0=_R["h0"][:1]), ValueError, r"h0 must have shape \[2, 2, 8, 6\], got \[1, 2, 8, 6\]", "h0-N1"),
+]
+
+
+@pytest.mark.parametrize("fn,args,exc,match", _ref_rows(_REF_DENSE, _R) + _ref_rows(_REF_PACKED, _RP))
+def test_reference_inputs(fn, args, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**args)
+
+
+@pytest.mark.parametrize("fn", _REF_FNS, ids=lambda fn: fn.__name__)
+def test_reference_takes_what_it_should(fn):
+    """The controls: every reference function takes the fixtures above (dense, and packed where it
+    takes cu_seqlens), and any float dtype, strides and numpy sizes / scale."""
+    takes = inspect.signature(fn).parameters
+    for args in (_R, _RP) if "cu_seqlens" in takes else (_R,):
+        fn(**{n: x for n, x in args.items() if n in takes})
+    odd = dict(_R, k=_R["k"].double(), v=_R["v"].half(), q=_R["q"].transpose(0, 1).contiguous().transpose(0, 1),
+               h0=_R["h0"].transpose(-1, -2).contiguous().transpose(-1, -2), chunk_size=np.int64(4),
+               split_size=np.int32(8), scale=np.float32(0.5))
+    fn(**{n: x for n, x in odd.items() if n in takes})
+
+
+@pytest.mark.parametrize("Bn,Tn,Hn,Kn,Vn", [(2, 10, 0, 4, 4), (2, 10, 2, 0, 4), (2, 10, 2, 4, 0), (2, 0, 2, 4, 4)],
+                         ids=["H0", "K0", "V0", "T0"])
+@pytest.mark.parametrize("fn", _REF_FNS, ids=lambda fn: fn.__name__)
+def test_reference_empty_shapes_run(fn, Bn, Tn, Hn, Kn, Vn):
+    """No state element or no token is valid, as for the kernels: empty or zero results, not a
+    ZeroDivisionError (H = 0 in HQ // H, K = 0 in K ** -0.5) or a reshape error (state_grads)."""
+    args = dict(q=torch.randn(Bn, Tn, 2 * Hn, Kn), k=torch.randn(Bn, Tn, Hn, Kn), v=torch.randn(Bn, Tn, Hn, Vn),
+                do=torch.randn(Bn, Tn, 2 * Hn, Vn), chunk_size=4)
+    takes = inspect.signature(fn).parameters
+    out = fn(**{n: x for n, x in args.items() if n in takes})
+    o_or_h = out[0] if isinstance(out, tuple) else out
+    assert o_or_h.dtype == torch.float64 and not o_or_h.isnan().any()
 
 
 @pytest.mark.skipif(not chunkstate.INTERPRET, reason="bf16 is refused only under Triton's interpreter")
