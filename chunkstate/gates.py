@@ -144,8 +144,8 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
         ``dtype`` not a floating-point dtype, ``floor`` not None or a real number (NaN).
     """
     gate = _validate.tensor("gate", gate, floating=False, contiguous=False)
-    if gate.is_complex():
-        raise TypeError(f"gate must be real, got dtype {gate.dtype}")
+    if gate.is_complex() or gate.dtype == torch.bool:
+        raise TypeError(f"gate must hold real numbers (natural-log decays), got dtype {gate.dtype}")
     if gate.device.type == "meta":
         raise ValueError("gate is on the meta device, which holds no values to sum")
     if gate.dim() not in (3, 4):
