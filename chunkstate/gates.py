@@ -145,7 +145,7 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     """
     gate = _validate.tensor("gate", gate, floating=False, contiguous=False)
     if gate.is_complex() or gate.dtype == torch.bool:
-        raise TypeError(f"gate must hold real numbers (natural-log decays), got dtype {gate.dtype}")
+        raise TypeError(f"gate must be real numbers (natural-log decays), got dtype {gate.dtype}")
     if gate.device.type == "meta":
         raise ValueError("gate is on the meta device, which holds no values to sum")
     if gate.dim() not in (3, 4):

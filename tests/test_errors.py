@@ -302,6 +302,7 @@ _cu = torch.tensor([0, 8, 20])
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: gates.chunk_local_cumsum(_gate.tolist(), 16), TypeError, r"gate must be a torch\.Tensor"),
     (lambda: gates.chunk_local_cumsum(_gate.to(torch.complex64), 16), TypeError, r"gate must be real"),
+    (lambda: gates.chunk_local_cumsum(_gate > 0, 16), TypeError, r"gate must be real numbers .* torch\.bool"),
     (lambda: gates.chunk_local_cumsum(_gate.to("meta"), 16), ValueError, r"gate is on the meta device"),
     (lambda: gates.chunk_local_cumsum(_gate, 16, _cu.to("meta")), ValueError, r"cu_seqlens is on the meta device"),
     (lambda: gates.chunk_local_cumsum(_gate, 16, dtype=torch.int32), TypeError,
