@@ -320,9 +320,9 @@ _cu = torch.tensor([0, 8, 20])
     (lambda: gates.prepare_chunk_offsets([0, 8, 20], 16), TypeError, r"cu_seqlens must be a torch\.Tensor"),
     (lambda: gates.prepare_chunk_offsets(_cu.float(), 16), TypeError, r"cu_seqlens must be a 1-D int tensor"),
     (lambda: gates.prepare_chunk_indices(_cu[None], 16), TypeError, r"cu_seqlens must be a 1-D int tensor"),
-], ids=["gate-list", "gate-complex", "gate-bool", "gate-meta", "cu-meta", "dtype-int", "dtype-str", "scale-none", "scale-nan",
-        "floor-nan", "floor-tensor", "reverse-str", "gates-tensor", "gate-none", "gamma-list", "offsets-list",
-        "offsets-float", "indices-2d"])
+], ids=["gate-list", "gate-complex", "gate-bool", "gate-meta", "cu-meta", "dtype-int", "dtype-str", "scale-none",
+        "scale-nan", "floor-nan", "floor-tensor", "reverse-str", "gates-tensor", "gate-none", "gamma-list",
+        "offsets-list", "offsets-float", "indices-2d"])
 def test_gates_helpers(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
