@@ -4,8 +4,8 @@ test_errors.py lists the bad inputs someone thought of; this draws them. From a 
 public entry point (the two kernels, ``chunk_gla``, the float64 oracle's ``recurrent_states`` and
 ``state_grads``, ``chunk_local_cumsum``), dense or packed, Hypothesis changes exactly one argument
 in a way that is never valid — a size off by one or cut to 1 (a silent broadcast's favourite), a
-dimension added or dropped, an int / bool / complex / meta / foreign-device tensor, a list or a
-number in place of a tensor, a bad scale, chunk or split size, malformed ``cu_seqlens`` — and
+dimension added or dropped, an int / bool / complex / meta tensor, a list or a number in place of a
+tensor, a bad scale, chunk or split size, flag or piece count, malformed ``cu_seqlens`` — and
 requires a ``TypeError`` or ``ValueError`` whose message names the argument. Never a result, never
 an error from deep inside torch or Triton (an ``IndexError``, ``RuntimeError``, ...).
 
@@ -55,9 +55,10 @@ def calls(packed: bool):
     sizes = dict(cu_seqlens=cu, chunk_size=BT)
     return {
         "chunk_fwd_h": (chunkstate.chunk_fwd_h, dict(k=k, v=v, **kg, h0=h0, output_final_state=True, **sizes,
-                                                     split_size=2 * BT), {"k"}),
+                                                     split_size=2 * BT, state_v_first=False, pieces=1), {"k"}),
         "chunk_bwd_dh": (chunkstate.chunk_bwd_dh, dict(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=K ** -0.5, **kg,
-                                                       **sizes, split_size=2 * BT), {"q", "k"}),
+                                                       **sizes, split_size=2 * BT, states_in_fp32=True, pieces=1),
+                         {"q", "k"}),
         "chunk_gla": (chunkstate.chunk_gla, dict(q=q, k=k, v=v, g=nat["g"], gk=nat["gk"], scale=0.25,
                                                  initial_state=h0, output_final_state=True, **sizes), {"q", "k"}),
         "reference.recurrent_states": (reference.recurrent_states, dict(k=k, v=v, **nat, h0=h0, **sizes,
@@ -121,6 +122,14 @@ def bad_size(x, data):
     return data.draw(st.sampled_from([0, -16, 24, 16.0, "16", True, None, 2 ** 40]), label="size")
 
 
+def bad_flag(x, data):
+    return data.draw(st.sampled_from(["yes", "False", 1, 0, None, 1.0, torch.tensor(True)]), label="flag")
+
+
+def bad_pieces(x, data):
+    return data.draw(st.sampled_from([0, -1, 1.5, "2", True, torch.tensor(2)]), label="pieces")
+
+
 def bad_offsets(x, data):
     if x is None:
         return None
@@ -147,7 +156,8 @@ def bad_offsets(x, data):
 PYTORCH = ("reference.recurrent_states", "reference.state_grads", "gates.chunk_local_cumsum")
 TENSOR_CHANGES = [size_off_by_one, one_dim_more, one_dim_less, wrong_dtype, meta_device, not_a_tensor]
 BY_ARGUMENT = {"scale": [bad_scale], "chunk_size": [bad_size], "split_size": [bad_size],
-               "cu_seqlens": [bad_offsets]}
+               "cu_seqlens": [bad_offsets], "pieces": [bad_pieces], "output_final_state": [bad_flag],
+               "state_v_first": [bad_flag], "states_in_fp32": [bad_flag]}
 # sizes a function accepts for these arguments, where the generic changes would draw a valid one
 ANY_SIZE = {24, 2 ** 40}  # no power of two, or past the kernels' 256: one chunk longer than every sequence
 ACCEPTED = {**{(fn, "chunk_size"): ANY_SIZE for fn in PYTORCH},  # PyTorch code takes any positive chunk size
@@ -179,7 +189,7 @@ def test_one_bad_argument_is_named(data):
     changes = BY_ARGUMENT.get(arg, TENSOR_CHANGES)
     change = data.draw(st.sampled_from(changes), label="change")
     bad = change(kwargs[arg], data)
-    if bad is None and change is not bad_size or valid_anyway(name, arg, bad, packed):
+    if bad is None and change not in (bad_size, bad_flag) or valid_anyway(name, arg, bad, packed):
         event("skipped: not applicable, or valid")
         return  # this change does not apply to this argument, or makes another valid call
     try:
