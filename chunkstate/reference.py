@@ -142,15 +142,15 @@ def _scan(k, v, q=None, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seql
         finals.append(S)
     if cu_seqlens is None:
         NS = math.ceil(T / split_size)
-        h = torch.stack([s for _, s in states]).view(B, NS, H, K, V) if NS > 0 else k.new_zeros(B, 0, H, K, V)
+        h = torch.stack([s for _, s in states]).view(B, NS, H, K, V) if states else k.new_zeros(B, NS, H, K, V)
     else:
         h = torch.stack([s for _, s in states])[None] if states else k.new_zeros(1, 0, H, K, V)
-    ht = torch.stack(finals)
+    ht = torch.stack(finals) if finals else k.new_zeros(0, H, K, V)  # (B = 0: no sequence)
     o = None
     if q is not None:
         zero = q.new_zeros(HQ, V)
-        o = torch.stack([torch.stack([x if x is not None else zero for x in row]) for row in outs]) if T > 0 \
-            else q.new_zeros(B, 0, HQ, V)
+        o = torch.stack([torch.stack([x if x is not None else zero for x in row]) for row in outs]) \
+            if T > 0 and B > 0 else q.new_zeros(B, T, HQ, V)
     return h, ht, o
 
 
@@ -207,8 +207,8 @@ def state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, h0=None, dh
     dh_list = [x if x is not None else torch.zeros(H, K, V, dtype=torch.float64, device=k.device)
                for x in grads[:-1]]
     if cu_seqlens is None:
-        dh = torch.stack(dh_list).view(B, n_slots // B, H, K, V) if dh_list \
-            else k.new_zeros(B, 0, H, K, V, dtype=torch.float64)
+        NS = math.ceil(T / split_size)
+        dh = torch.stack(dh_list).view(B, NS, H, K, V) if dh_list else k.new_zeros(B, NS, H, K, V, dtype=torch.float64)
     else:
         dh = torch.stack(dh_list)[None] if dh_list else k.new_zeros(1, 0, H, K, V, dtype=torch.float64)
     return dh, grads[-1] if grads[-1] is not None else torch.zeros_like(h0_leaf)
@@ -251,10 +251,10 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
         finals.append(S)
     if cu_seqlens is None:
         NS = math.ceil(T / split_size)
-        h = torch.stack(states).view(B, NS, H, K, V) if states else k.new_zeros(B, 0, H, K, V)
+        h = torch.stack(states).view(B, NS, H, K, V) if states else k.new_zeros(B, NS, H, K, V)
     else:
         h = torch.stack(states)[None] if states else k.new_zeros(1, 0, H, K, V)
-    return h, torch.stack(finals)
+    return h, torch.stack(finals) if finals else k.new_zeros(0, H, K, V)
 
 
 def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, scale=None):

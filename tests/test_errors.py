@@ -6,6 +6,7 @@ Tensors on another device are simulated with the ``meta`` device (no memory, any
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -456,18 +457,24 @@ def test_reference_takes_what_it_should(fn):
     fn(**{n: x for n, x in odd.items() if n in takes})
 
 
-@pytest.mark.parametrize("Bn,Tn,Hn,Kn,Vn", [(2, 10, 0, 4, 4), (2, 10, 2, 0, 4), (2, 10, 2, 4, 0), (2, 0, 2, 4, 4)],
-                         ids=["H0", "K0", "V0", "T0"])
+@pytest.mark.parametrize("Bn,Tn,Hn,Kn,Vn", [(2, 10, 0, 4, 4), (2, 10, 2, 0, 4), (2, 10, 2, 4, 0), (2, 0, 2, 4, 4),
+                                          (0, 10, 2, 4, 4), (0, 0, 2, 4, 4)],
+                         ids=["H0", "K0", "V0", "T0", "B0", "B0-T0"])
 @pytest.mark.parametrize("fn", _REF_FNS, ids=lambda fn: fn.__name__)
 def test_reference_empty_shapes_run(fn, Bn, Tn, Hn, Kn, Vn):
-    """No state element or no token is valid, as for the kernels: empty or zero results, not a
-    ZeroDivisionError (H = 0 in HQ // H, K = 0 in K ** -0.5) or a reshape error (state_grads)."""
+    """No state element, no token or no sequence is valid, as for the kernels: results of the
+    kernels' shapes, empty or zero, not a ZeroDivisionError (H = 0 in HQ // H, K = 0 in K ** -0.5),
+    a reshape error (state_grads) or a stack of nothing (B = 0)."""
     args = dict(q=torch.randn(Bn, Tn, 2 * Hn, Kn), k=torch.randn(Bn, Tn, Hn, Kn), v=torch.randn(Bn, Tn, Hn, Vn),
-                do=torch.randn(Bn, Tn, 2 * Hn, Vn), chunk_size=4)
+                do=torch.randn(Bn, Tn, 2 * Hn, Vn), h0=torch.randn(Bn, Hn, Kn, Vn), chunk_size=4)
     takes = inspect.signature(fn).parameters
     out = fn(**{n: x for n, x in args.items() if n in takes})
-    o_or_h = out[0] if isinstance(out, tuple) else out
-    assert o_or_h.dtype == torch.float64 and not o_or_h.isnan().any()
+    first = out[0] if isinstance(out, tuple) else out
+    outputs = fn.__name__ in ("recurrent_outputs", "parallel_outputs")
+    assert first.shape == ((Bn, Tn, 2 * Hn, Vn) if outputs else (Bn, math.ceil(Tn / 4), Hn, Kn, Vn)), first.shape
+    assert first.dtype == torch.float64 and not first.isnan().any()
+    if isinstance(out, tuple):  # ht, or dh0: one state per sequence
+        assert out[1].shape == (Bn, Hn, Kn, Vn) and not out[1].isnan().any()
 
 
 @pytest.mark.skipif(not chunkstate.INTERPRET, reason="bf16 is refused only under Triton's interpreter")
