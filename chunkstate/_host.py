@@ -25,6 +25,8 @@ kernel cannot index outside its buffers.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import weakref
 from collections import OrderedDict
@@ -117,6 +119,26 @@ def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[list[int],
     lens = lengths(cu_host)
     NS, first_slots = split_slots(lens, split_size, device)
     return lens, NS, first_slots
+
+
+def on_inputs_device(fn):
+    """Run ``fn`` with the CUDA device of its first argument made current.
+
+    Triton launches (and its autotuner times) on the *current* CUDA device, whatever device the
+    tensors are on: a call with tensors on ``cuda:1`` while ``cuda:0`` is current would run on the
+    wrong GPU (an illegal address, or a slow read over the link). fla's ops switch devices the same
+    way (its ``input_guard``). A CPU tensor, or one on the current device, costs one comparison.
+    """
+    name = next(iter(inspect.signature(fn).parameters))  # k, or q: what the wrapper checks first
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = args[0] if args else kwargs.get(name)
+        if isinstance(first, torch.Tensor) and first.is_cuda and first.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def cdiv(a: int, b: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate, launch, tuning
+from . import _host, _validate, launch, tuning
 from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, gate_last, load_gamma, load_rows,
                            load_scaled_query, load_state, program_tile, query_factor, scalar_gate,
@@ -189,6 +189,7 @@ _tuned_backward = triton.autotune(
 )(chunk_bwd_kernel_dh)
 
 
+@_host.on_inputs_device  # Triton launches on the current device: make it q's
 def chunk_bwd_dh(
     q: torch.Tensor,
     k: torch.Tensor,

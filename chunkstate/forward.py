@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _validate, launch, tuning
+from . import _host, _validate, launch, tuning
 from . import pieces as _pieces
 from .kernel_parts import (chunk_mask, chunk_rows, constant_gate, decay_rows, gate_last, load_gamma, load_rows,
                            load_rows_t, load_state, program_tile, scalar_gate, sequence_bounds, store_decays,
@@ -178,6 +178,7 @@ _tuned_forward = triton.autotune(
 )(chunk_fwd_kernel_h)
 
 
+@_host.on_inputs_device  # Triton launches on the current device: make it k's
 def chunk_fwd_h(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -501,3 +501,74 @@ def test_a_tuned_key_skips_the_autotuner(monkeypatch, device):
     h_ref, ht_ref = reference.recurrent_states(k, v, g=nat, chunk_size=16)
     check_close(second[0], h_ref, "h, launched from the autotuner's cache", TOL)
     check_close(second[1], ht_ref, "ht, launched from the autotuner's cache", TOL)
+
+
+class _DeviceSwitches:
+    """Stands in for ``torch.cuda.device``: records each switch, and makes the device current inside."""
+
+    def __init__(self, current: list):
+        self.current, self.entered = current, []
+
+    def __call__(self, device):
+        switches = self
+
+        class Switch:
+            def __enter__(self):
+                switches.entered.append(device)
+                switches.current.append(1)
+
+            def __exit__(self, *exc):
+                switches.current.pop()
+
+        return Switch()
+
+
+def test_calls_run_on_their_inputs_device(monkeypatch):
+    """Triton launches on the current CUDA device: a call whose first tensor is on another one runs
+    with that device made current (``_host.on_inputs_device``), whether the tensor is passed by
+    position or by name; a tensor on the current device, or on the CPU, switches nothing. On CPU the
+    CUDA side is stood in for: tensors claim to be on ``cuda:1`` while ``cuda:0`` is current."""
+    current = [0]
+    switches = _DeviceSwitches(current)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[-1])
+    monkeypatch.setattr(torch.cuda, "device", switches)
+    ran_on = []
+
+    @_host.on_inputs_device
+    def kernel_call(k, v=None):
+        ran_on.append(current[-1])
+        return k
+
+    x = torch.zeros(2)
+    kernel_call(x)  # a CPU tensor
+    assert switches.entered == [] and ran_on == [0]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for on in (0, 1):
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self, on=on: on)
+        kernel_call(x, v=x)
+        kernel_call(k=x)
+    assert ran_on == [0, 0, 0, 1, 1] and len(switches.entered) == 2 and current == [0]
+    for fn in (chunkstate.chunk_fwd_h, chunkstate.chunk_bwd_dh):  # (chunk_gla launches through these two)
+        assert fn.__code__.co_filename == _host.__file__ and hasattr(fn, "__wrapped__"), \
+            f"{fn.__name__} does not switch to its inputs' device (_host.on_inputs_device)"
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_kernels_on_a_second_gpu():
+    """Tensors on cuda:1 while cuda:0 is current: both kernels run there and match the loop."""
+    B, T, H, K, V, BT = 2, 200, 2, 32, 48, 64
+    dev = torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    q, k, do = (torch.randn(B, T, H, d, device=dev) for d in (K, K, V))
+    v = torch.randn(B, T, H, V, device=dev)
+    nat = {"g": F.logsigmoid(torch.randn(B, T, H, device=dev) + 2)}
+    kg = gates.kernel_gates(nat, BT)
+    h0, dht = torch.randn(B, H, K, V, device=dev), torch.randn(B, H, K, V, device=dev)
+    with nan_poisoned_empty():
+        h, ht = chunkstate.chunk_fwd_h(k, v, **kg, h0=h0, output_final_state=True, chunk_size=BT)
+        dh, dh0 = chunkstate.chunk_bwd_dh(q, k, v, do, h0, dht, 0.5, **kg, chunk_size=BT)
+    assert h.device == dev and dh.device == dev and torch.cuda.current_device() == 0
+    h_ref, ht_ref = reference.recurrent_states(k, v, **nat, h0=h0, chunk_size=BT)
+    dh_ref, dh0_ref = reference.state_grads(q, k, v, do, **nat, h0=h0, dht=dht, scale=0.5, chunk_size=BT)
+    for out, ref, what in ((h, h_ref, "h"), (ht, ht_ref, "ht"), (dh, dh_ref, "dh"), (dh0, dh0_ref, "dh0")):
+        check_close(out, ref, f"{what} on cuda:1", TOL)
