@@ -134,9 +134,11 @@ def on_inputs_device(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         first = args[0] if args else kwargs.get(name)
-        if isinstance(first, torch.Tensor) and first.is_cuda and first.get_device() != torch.cuda.current_device():
-            with torch.cuda.device(first.device):
-                return fn(*args, **kwargs)
+        if isinstance(first, torch.Tensor) and first.is_cuda:
+            index = first.get_device()
+            if index != torch.cuda.current_device():
+                with torch.cuda.device(index):
+                    return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     return wrapper
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from . import _host
@@ -42,6 +43,23 @@ def tensor(name: str, x, shape: tuple | None = None, *, floating: bool = True, l
     return x.contiguous() if contiguous else x
 
 
+def sequence_tensor(name: str, x, dims: str = "B, T, H, K", **kw):
+    """A tensor of shape [B, T, heads, D] (``dims`` names them in the message), checked and returned
+    as ``tensor`` does (``kw``: its options): the argument that fixes the sizes of the others."""
+    x = tensor(name, x, **kw)
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have shape [{dims}], got {list(x.shape)}")
+    return x
+
+
+def query_heads(HQ: int, H: int) -> None:
+    """GQA: q has HQ heads, a positive multiple of k's H (HQ / H query heads per state head); none
+    when H = 0."""
+    if (HQ != 0) if H == 0 else (HQ == 0 or HQ % H):
+        raise ValueError(f"q must have a positive multiple of k's H={H} heads (GQA: HQ / H query heads per "
+                         f"state head), got HQ={HQ}")
+
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -70,14 +88,16 @@ MAX_SPLIT = 2 ** 31 - 1  # the kernels take BS as a 32-bit constant
 def sizes(chunk_size, split_size) -> tuple[int, int]:
     """(BT, BS): chunk_size a power of two in [16, 256]; split_size a positive multiple of it,
     below 2^31."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    chunk_size = int(chunk_size)
     if chunk_size < 16 or chunk_size > 256 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two in [16, 256], got {chunk_size}")
     if split_size is None:
         return chunk_size, chunk_size
-    if isinstance(split_size, bool) or not isinstance(split_size, int):
+    if isinstance(split_size, bool) or not isinstance(split_size, numbers.Integral):
         raise TypeError(f"split_size must be an int or None, got {type(split_size).__name__}")
+    split_size = int(split_size)
     if split_size <= 0 or split_size % chunk_size or split_size > MAX_SPLIT:
         raise ValueError(f"split_size must be a positive multiple of chunk_size={chunk_size} below 2^31 "
                          f"(a split longer than any sequence stores one state per sequence), got {split_size}")
@@ -102,7 +122,7 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
         raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu.dim()}-D {cu.dtype}")
     if cu.device != like.device:
         raise ValueError(f"cu_seqlens is on {cu.device} but the other inputs are on {like.device}")
-    if cu.device.type == "meta":
+    if cu.is_meta:
         raise ValueError("cu_seqlens is on the meta device, which holds no values: pass the offsets on a device "
                          "that does")
     if B != 1:
@@ -156,11 +176,17 @@ def real(name: str, x, fp32: bool = True) -> float:
 
 def flag(name: str, x) -> bool:
     """A bool argument: ``True`` or ``False`` (numpy's bool too), never a truthy string or number."""
-    if isinstance(x, bool):
-        return x
-    if type(x).__name__ == "bool_":  # numpy.bool_
+    if isinstance(x, (bool, np.bool_)):
         return bool(x)
     raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__})")
+
+
+def scale(x, K: int, fp32: bool = True) -> float:
+    """The outputs' scale: ``K ** -0.5`` when None (1 when K = 0: every output is 0 whatever the
+    scale), else ``real("scale", x, fp32)``."""
+    if x is None:
+        return K ** -0.5 if K > 0 else 1.0
+    return real("scale", x, fp32)
 
 
 def positive_int(name: str, x) -> int:
@@ -178,16 +204,22 @@ WARPS = (1, 2, 4, 8, 16, 32)
 def config_values(config, flags: tuple[str, ...]) -> None:
     """The values of an explicit ``triton.Config`` that ``launch.check_config`` leaves to Triton: its
     ``flags`` keys (``USE_TMA``, ``NARROW_V``) bools when given, never a truthy string or number, and
-    ``num_warps`` / ``num_stages`` ints Triton compiles (a bad one fails deep in its compiler on a GPU,
-    and is ignored by the interpreter)."""
+    ``num_warps`` / ``num_stages`` Python ints Triton compiles (a bad one fails deep in its compiler
+    on a GPU, and is ignored by the interpreter)."""
     if config is None:
         return
     for name in flags:
         if name in config.kwargs:
             flag(f"config's {name}", config.kwargs[name])
-    warps = config.num_warps
-    if isinstance(warps, bool) or not isinstance(warps, int) or warps not in WARPS:
-        raise ValueError(f"config's num_warps must be 1, 2, 4, 8, 16 or 32 (a power of two), got {warps!r}")
+    warps = config.num_warps  # Python ints, as Triton's own configs hold (numpy's are not passed on to Triton)
+    if type(warps) is not int or warps not in WARPS:
+        raise ValueError(f"config's num_warps must be 1, 2, 4, 8, 16 or 32 (a power of two), got {warps!r}"
+                         + python_int_hint(warps))
     stages = config.num_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
-        raise ValueError(f"config's num_stages must be an int >= 0, got {stages!r}")
+    if type(stages) is not int or stages < 0:
+        raise ValueError(f"config's num_stages must be an int >= 0, got {stages!r}" + python_int_hint(stages))
+
+
+def python_int_hint(x) -> str:
+    """For a numpy int where Triton wants a Python one: what to pass instead."""
+    return f" (a Python int: int({x!r}))" if isinstance(x, numbers.Integral) and type(x) is not int else ""

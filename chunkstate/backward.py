@@ -263,15 +263,12 @@ def chunk_bwd_dh(
     The outputs are plain tensors, detached from autograd even when the inputs require grad:
     ``chunkstate.chunk_gla`` is the differentiable op built on this kernel.
     """
-    q = _validate.tensor("q", q)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, HQ, K], got {list(q.shape)}")
+    q = _validate.sequence_tensor("q", q, "B, T, HQ, K")
     B, T, HQ, K = q.shape
     # k and v give their sizes and dtype only (no kernel reads them): never copied, whatever their strides
     k = _validate.tensor("k", k, (B, T, None, K), like=q, contiguous=False)
     H = k.shape[2]
-    if (H == 0 and HQ != 0) or (H > 0 and (HQ == 0 or HQ % H)):
-        raise ValueError(f"q must have a positive multiple of k's H={H} heads (GQA: HQ / H query heads per KV head), got HQ={HQ}")
+    _validate.query_heads(HQ, H)
     v = _validate.tensor("v", v, (B, T, H, None), like=q, contiguous=False)
     V = v.shape[-1]
     do = _validate.tensor("do", do, (B, T, HQ, V), like=q)

@@ -43,17 +43,22 @@ def _check(q, k, v, beta, h0, scale, chunk_size):
     """The arguments of :func:`recurrent_delta` / :func:`chunked_delta`, checked (shapes, float
     dtypes, one device): every mismatch a ValueError / TypeError naming the argument, never a
     broadcast. Returns ``scale`` (a float, K ** -0.5 when None) and ``chunk_size`` (an int)."""
-    _validate.tensor("q", q, contiguous=False)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
-    B, T, H, K = q.shape
+    B, T, H, K = _validate.sequence_tensor("q", q, contiguous=False).shape
     _validate.tensor("k", k, (B, T, H, K), like=q, contiguous=False)
     _validate.tensor("v", v, (B, T, H, None), like=q, contiguous=False)
     _validate.tensor("beta", beta, (B, T, H), like=q, contiguous=False)
     if h0 is not None:
         _validate.tensor("h0", h0, (B, H, K, v.shape[-1]), like=q, contiguous=False)
-    scale = K ** -0.5 if scale is None else _validate.real("scale", scale, fp32=False)
+    scale = _validate.scale(scale, K, fp32=False)
     return scale, _validate.positive_int("chunk_size", chunk_size)
+
+
+def _check_ut(k, beta):
+    """:func:`ut_transform`'s arguments: k [..., L, K] and beta [..., L], float, on one device."""
+    _validate.tensor("k", k, contiguous=False)
+    if k.dim() < 2:
+        raise ValueError(f"k must have shape [..., L, K], got {list(k.shape)}")
+    _validate.tensor("beta", beta, tuple(k.shape[:-1]), like=k, contiguous=False)
 
 
 def recurrent_delta(q, k, v, beta, h0=None, scale=None, chunk_size=64):
@@ -89,10 +94,7 @@ def ut_transform(k, beta):
 
     ``k`` [..., L, K], ``beta`` [..., L] (any leading dimensions, one chunk of L tokens each).
     Returns ``T`` [..., L, L], lower triangular. A unit lower-triangular solve, not an inverse."""
-    _validate.tensor("k", k, contiguous=False)
-    if k.dim() < 2:
-        raise ValueError(f"k must have shape [..., L, K], got {list(k.shape)}")
-    _validate.tensor("beta", beta, tuple(k.shape[:-1]), like=k, contiguous=False)
+    _check_ut(k, beta)
     L = k.shape[-2]
     A = torch.tril(beta[..., :, None] * (k @ k.transpose(-1, -2)), diagonal=-1)
     eye = torch.eye(L, dtype=k.dtype, device=k.device).expand_as(A)

@@ -243,9 +243,7 @@ def chunk_fwd_h(
     The outputs are plain tensors, detached from autograd even when the inputs require grad:
     ``chunkstate.chunk_gla`` is the differentiable op built on this kernel.
     """
-    k = _validate.tensor("k", k)
-    if k.dim() != 4:
-        raise ValueError(f"k must have shape [B, T, H, K], got {list(k.shape)}")
+    k = _validate.sequence_tensor("k", k)
     B, T, H, K = k.shape
     v = _validate.tensor("v", v, (B, T, H, None), like=k)
     V = v.shape[-1]

@@ -34,11 +34,6 @@ RCP_LN2 = 1.0 / math.log(2.0)  # log2(e): natural-log gates times this are log2 
 MIN_GATE = -160.0 * math.log(2.0)  # natural log: smaller gates (-inf too) count as this (module docstring)
 
 
-def _check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
 def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Sequence lengths [N] from cumulative offsets ``cu_seqlens`` [N+1] (a 1-D int tensor; its values
     are not checked here: that would wait for the GPU)."""
@@ -56,7 +51,7 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
     states are ``h[0, offsets[n] : offsets[n+1]]`` and ``offsets[-1]`` is the total count.
     Raises ValueError unless ``chunk_size`` is a positive int.
     """
-    _check_chunk_size(chunk_size)
+    chunk_size = _validate.positive_int("chunk_size", chunk_size)
     n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
     return torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)])
 
@@ -65,7 +60,7 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
     """One row per chunk of a packed batch: [NT, 2] int64 of (sequence n, chunk index in n).
 
     Raises ValueError unless ``chunk_size`` is a positive int."""
-    _check_chunk_size(chunk_size)
+    chunk_size = _validate.positive_int("chunk_size", chunk_size)
     n_chunks = (prepare_lens(cu_seqlens).long() + chunk_size - 1) // chunk_size
     seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=cu_seqlens.device), n_chunks)
     first = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)[:-1]])
@@ -118,6 +113,31 @@ def kernel_gates(gates: dict, chunk_size: int, cu_seqlens: torch.Tensor | None =
             for name, x in gates.items()}
 
 
+def _check_cumsum(gate, chunk_size, cu_seqlens, scale, reverse, dtype, floor):
+    """``chunk_local_cumsum``'s arguments checked (its Raises); returns gate, chunk_size, scale and
+    reverse as it uses them."""
+    gate = _validate.tensor("gate", gate, floating=False, contiguous=False)
+    if gate.is_complex() or gate.dtype == torch.bool:
+        raise TypeError(f"gate must be real numbers (natural-log decays), got dtype {gate.dtype}")
+    if gate.is_meta:
+        raise ValueError("gate is on the meta device, which holds no values to sum")
+    if gate.dim() not in (3, 4):
+        raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
+    if cu_seqlens is not None and gate.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
+    chunk_size = _validate.positive_int("chunk_size", chunk_size)
+    scale = _validate.real("scale", scale, fp32=False)
+    reverse = _validate.flag("reverse", reverse)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if floor is not None:
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
+            raise TypeError(f"floor must be None or a real number, got {type(floor).__name__}")
+        if math.isnan(floor):
+            raise ValueError("floor must not be NaN (None: no floor)")
+    return gate, chunk_size, scale, reverse
+
+
 def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Tensor | None = None,
                        scale: float = RCP_LN2, reverse: bool = False,
                        dtype: torch.dtype = torch.float32, floor: float | None = MIN_GATE) -> torch.Tensor:
@@ -143,25 +163,7 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
         for ``gate`` not a real tensor, ``scale`` not a finite real number, ``reverse`` not a bool,
         ``dtype`` not a floating-point dtype, ``floor`` not None or a real number (NaN).
     """
-    gate = _validate.tensor("gate", gate, floating=False, contiguous=False)
-    if gate.is_complex() or gate.dtype == torch.bool:
-        raise TypeError(f"gate must be real numbers (natural-log decays), got dtype {gate.dtype}")
-    if gate.device.type == "meta":
-        raise ValueError("gate is on the meta device, which holds no values to sum")
-    if gate.dim() not in (3, 4):
-        raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
-    if cu_seqlens is not None and gate.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
-    _check_chunk_size(chunk_size)
-    scale = _validate.real("scale", scale, fp32=False)
-    reverse = _validate.flag("reverse", reverse)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    if floor is not None:
-        if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
-            raise TypeError(f"floor must be None or a real number, got {type(floor).__name__}")
-        if math.isnan(floor):
-            raise ValueError("floor must not be NaN (None: no floor)")
+    gate, chunk_size, scale, reverse = _check_cumsum(gate, chunk_size, cu_seqlens, scale, reverse, dtype, floor)
     T = gate.shape[1]
     # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
     _validate.cu_seqlens(cu_seqlens, gate.shape[0], T, like=gate if cu_seqlens is None else cu_seqlens)

@@ -371,9 +371,7 @@ def chunk_gla(
         TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices,
         sizes, offsets or a non-real ``scale``.
     """
-    q = _validate.tensor("q", q)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
+    q = _validate.sequence_tensor("q", q)
     B, T, H, K = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be fp16, bf16 or fp32 (what the kernels take), got {q.dtype}")
@@ -385,10 +383,7 @@ def chunk_gla(
     _validate.kernel_input("q", q)
     V = v.shape[-1]
     g, _, gk, _ = _validate.gates(B, T, H, K, V, g, None, gk, None, like=q)
-    if scale is None:
-        scale = K ** -0.5 if K > 0 else 1.0  # K = 0: every output is 0 whatever the scale
-    else:
-        scale = _validate.real("scale", scale)
+    scale = _validate.scale(scale, K)  # K ** -0.5 by default (1 when K = 0: every output is 0 whatever the scale)
     output_final_state = _validate.flag("output_final_state", output_final_state)
     BT, _ = _validate.sizes(chunk_size, None)
     cu_seqlens, _, N = _validate.cu_seqlens(cu_seqlens, B, T, like=q)

@@ -87,8 +87,9 @@ def check_config(config, optional: tuple[str, ...]) -> None:
                          + "".join(f", {name}" for name in optional))
     for name in ("BK", "BV"):
         tile = config.kwargs.get(name)
-        if isinstance(tile, bool) or not isinstance(tile, int) or tile not in (16, 32, 64, 128):
-            raise ValueError(f"config's {name} must be 16, 32, 64 or 128 (a tile width), got {tile!r}")
+        if type(tile) is not int or tile not in (16, 32, 64, 128):
+            raise ValueError(f"config's {name} must be 16, 32, 64 or 128 (a tile width), got {tile!r}"
+                             + _validate.python_int_hint(tile))
 
 
 def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tma_inputs: dict) -> None:

@@ -49,10 +49,7 @@ def _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens=None, *, q=_NOT_TAKEN, do=_N
     ``scale`` a finite real number, ``sizes`` = (chunk_size, split_size) for a function that takes
     them. Returns ``scale`` (a float; K ** -0.5 when None, 1 when K = 0) and the split (an int,
     ``chunk_size`` when ``split_size`` is None; None without ``sizes``)."""
-    _validate.tensor("k", k, contiguous=False)
-    if k.dim() != 4:
-        raise ValueError(f"k must have shape [B, T, H, K], got {list(k.shape)}")
-    B, T, H, K = k.shape
+    B, T, H, K = _validate.sequence_tensor("k", k, contiguous=False).shape
     _validate.tensor("v", v, (B, T, H, None), like=k, contiguous=False)
     V = v.shape[-1]
     _validate.gates(B, T, H, K, V, g, g_gamma, gk, gv, like=k)
@@ -62,14 +59,10 @@ def _check(k, v, g, g_gamma, gk, gv, h0, cu_seqlens=None, *, q=_NOT_TAKEN, do=_N
             _validate.tensor(name, x, (N, H, K, V), like=k, contiguous=False)
     if q is not _NOT_TAKEN:
         _validate.tensor("q", q, (B, T, None, K), like=k, contiguous=False)
-        HQ = q.shape[2]
-        grouped = HQ == 0 if H == 0 else (HQ > 0 and HQ % H == 0)  # HQ / H query heads per state head
-        if not grouped:
-            want = f"a positive multiple of k's H={H} (GQA: HQ / H query heads per state head)" if H else "0, as H"
-            raise ValueError(f"q's heads HQ must be {want}, got HQ={HQ}")
+        _validate.query_heads(q.shape[2], H)
     if do is not _NOT_TAKEN:
         _validate.tensor("do", do, (B, T, q.shape[2], V), like=k, contiguous=False)
-    scale = (K ** -0.5 if K else 1.0) if scale is None else _validate.real("scale", scale, fp32=False)
+    scale = _validate.scale(scale, K, fp32=False)
     if sizes is None:
         return scale, None
     chunk_size = _validate.positive_int("chunk_size", sizes[0])
@@ -211,7 +204,7 @@ def state_grads(q, k, v, do, g=None, g_gamma=None, gk=None, gv=None, h0=None, dh
         dh = torch.stack(dh_list).view(B, NS, H, K, V) if dh_list else k.new_zeros(B, NS, H, K, V, dtype=torch.float64)
     else:
         dh = torch.stack(dh_list)[None] if dh_list else k.new_zeros(1, 0, H, K, V, dtype=torch.float64)
-    return dh, grads[-1] if grads[-1] is not None else torch.zeros_like(h0_leaf)
+    return dh, (grads[-1] if grads[-1] is not None else torch.zeros_like(h0_leaf))
 
 
 def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seqlens=None,
@@ -254,7 +247,7 @@ def chunked_states(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, cu_seq
         h = torch.stack(states).view(B, NS, H, K, V) if states else k.new_zeros(B, NS, H, K, V)
     else:
         h = torch.stack(states)[None] if states else k.new_zeros(1, 0, H, K, V)
-    return h, torch.stack(finals) if finals else k.new_zeros(0, H, K, V)
+    return h, (torch.stack(finals) if finals else k.new_zeros(0, H, K, V))
 
 
 def parallel_outputs(q, k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, scale=None):

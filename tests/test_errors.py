@@ -246,8 +246,10 @@ def test_split_size_below_2_to_the_31(ok):
     (triton.Config({"BK": 32, "BV": 32}, num_warps=3), ValueError, r"config's num_warps must be 1, 2, 4, 8, 16 or 32"),
     (triton.Config({"BK": 32, "BV": 32}, num_warps=0), ValueError, r"config's num_warps must be"),
     (triton.Config({"BK": 32, "BV": 32}, num_stages=-1), ValueError, r"config's num_stages must be an int >= 0"),
+    (triton.Config({"BK": 32, "BV": 32}, num_warps=np.int64(4)), ValueError, r"num_warps .* \(a Python int: int\("),
+    (triton.Config({"BK": np.int64(32), "BV": 32}), ValueError, r"config's BK .* \(a Python int: int\("),
 ], ids=["dict", "str", "BK0", "BK48", "BV256", "BK-float", "no-BK", "BT", "misspelt", "tma-str", "tma-int",
-        "narrow-int", "warps3", "warps0", "stages-negative"])
+        "narrow-int", "warps3", "warps0", "stages-negative", "warps-numpy", "BK-numpy"])
 def test_malformed_configs(ok, config, exc, match):
     with pytest.raises(exc, match=match):
         chunkstate.chunk_fwd_h(**ok, config=config)
@@ -292,6 +294,30 @@ def test_gla_with_no_heads_differentiates(device):
     o, _ = chunkstate.chunk_gla(q, k, v, chunk_size=16)
     o.sum().backward()
     assert o.shape == (1, 20, 0, 16) and q.grad.shape == q.shape
+
+
+def test_numpy_scalars_are_taken(ok):
+    """numpy's bools and ints are taken wherever chunkstate's own arguments take a bool or an int
+    (flags, sizes, a config's USE_TMA), with the same result as Python's. A ``triton.Config``'s tiles,
+    warps and stages go to Triton as they are: there only Python ints (test_malformed_configs)."""
+    h, ht = chunkstate.chunk_fwd_h(**ok, output_final_state=True, split_size=16,
+                                   config=triton.Config({"BK": 16, "BV": 16, "USE_TMA": False}, num_warps=4))
+    config = triton.Config({"BK": 16, "BV": 16, "USE_TMA": np.False_}, num_warps=4)
+    h_np, ht_np = chunkstate.chunk_fwd_h(**dict(ok, chunk_size=np.int64(16)), split_size=np.int32(16),
+                                         output_final_state=np.True_, state_v_first=np.False_, config=config)
+    assert torch.equal(h_np, h) and torch.equal(ht_np, ht)
+    assert torch.equal(gates.chunk_local_cumsum(_gate, 16, reverse=np.True_), gates.chunk_local_cumsum(_gate, 16,
+                                                                                                       reverse=True))
+
+
+def test_delta_default_scale_with_no_key_dims(device):
+    """K = 0: every output is 0 whatever the scale; the default (K ** -0.5) is then 1, not a
+    ZeroDivisionError, as in reference and chunk_gla (one rule: _validate.scale)."""
+    q, k = torch.randn(1, 8, 2, 0, device=device), torch.randn(1, 8, 2, 0, device=device)
+    v, beta = torch.randn(1, 8, 2, 4, device=device), torch.rand(1, 8, 2, device=device)
+    for fn in (delta.recurrent_delta, delta.chunked_delta):
+        o = fn(q, k, v, beta, chunk_size=4)[0]
+        assert o.shape == (1, 8, 2, 4) and not o.any()
 
 
 # ------------------------------------------------------------------ gates helpers (plain PyTorch, any device)
@@ -399,7 +425,7 @@ _REF_DENSE = [
     (dict(v=_R["v"][:, :, :1]), ValueError, r"v must have shape \[2, 20, 2, \*\], got \[2, 20, 1, 6\]", "v-H1"),
     (dict(q=_R["q"][:1]), ValueError, r"q must have shape \[2, 20, \*, 8\], got \[1, 20, 4, 8\]", "q-B1"),
     (dict(q=_R["q"][..., :1]), ValueError, r"q must have shape \[2, 20, \*, 8\]", "q-K1"),
-    (dict(q=_R["q"][:, :, :3]), ValueError, r"q's heads HQ must be a positive multiple of k's H=2.*got HQ=3",
+    (dict(q=_R["q"][:, :, :3]), ValueError, r"q must have a positive multiple of k's H=2 heads.*got HQ=3",
      "q-HQ3"),
     (dict(q=None), TypeError, r"q must be a torch\.Tensor", "q-none"),
     (dict(do=_R["do"][:, :, :2]), ValueError, r"do must have shape \[2, 20, 4, 6\]", "do-H"),

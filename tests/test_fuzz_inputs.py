@@ -9,9 +9,10 @@ tensor, a bad scale, chunk or split size, flag or piece count, malformed ``cu_se
 requires a ``TypeError`` or ``ValueError`` whose message names the argument. Never a result, never
 an error from deep inside torch or Triton (an ``IndexError``, ``RuntimeError``, ...).
 
-Where one argument fixes a size that the others are checked against (``k`` for the kernels'
-inputs, ``q`` for the backward's and the oracle's heads), a change to it may be reported as the
-others' mismatch: then naming any argument of the call is enough.
+Where one argument fixes a size that the others are checked against (``k`` B, T, H and K; ``v`` V;
+``q`` the backward's and the oracle's query heads), a change to it may be reported as another
+argument's mismatch: then naming any argument of the call is enough (as a word: "g" is not the g of
+"got").
 
 The checks run before any kernel launches, so a drawn case costs microseconds even under the
 interpreter; seeded like every test (tests/conftest.py).
@@ -22,24 +23,19 @@ import chunkstate  # first: it sets TRITON_INTERPRET on a CPU machine before Tri
 
 import math
 import os
+import re
 
 import torch
-import torch.nn.functional as F
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from chunkstate import gates, reference
+from chunkstate.testing import random_gates
 
 DEVICE = chunkstate.DEVICE
 B, T, H, K, V, BT = 1, 40, 2, 16, 16, 16
 LENS = [7, 0, 33]  # the packed batch: an empty sequence, and none chunk-aligned
-
-
-def natural_gates(packed_B: int):
-    return {"g": F.logsigmoid(torch.randn(packed_B, T, H, device=DEVICE)),
-            "gk": F.logsigmoid(torch.randn(packed_B, T, H, K, device=DEVICE)),
-            "gv": F.logsigmoid(torch.randn(packed_B, T, H, V, device=DEVICE)),
-            "g_gamma": -torch.rand(H, device=DEVICE)}
 
 
 def calls(packed: bool):
@@ -49,22 +45,22 @@ def calls(packed: bool):
     N = len(LENS) if packed else Bx
     r = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
     q, k, v, do = r(Bx, T, H, K), r(Bx, T, H, K), r(Bx, T, H, V), r(Bx, T, H, V)
-    nat = natural_gates(Bx)
+    nat = random_gates(Bx, T, H, K, V, device=DEVICE)
     kg = gates.kernel_gates(nat, BT, cu)
     h0, dht = r(N, H, K, V), r(N, H, K, V)
     sizes = dict(cu_seqlens=cu, chunk_size=BT)
     return {
         "chunk_fwd_h": (chunkstate.chunk_fwd_h, dict(k=k, v=v, **kg, h0=h0, output_final_state=True, **sizes,
-                                                     split_size=2 * BT, state_v_first=False, pieces=1), {"k"}),
+                                                     split_size=2 * BT, state_v_first=False, pieces=1), {"k", "v"}),
         "chunk_bwd_dh": (chunkstate.chunk_bwd_dh, dict(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=K ** -0.5, **kg,
                                                        **sizes, split_size=2 * BT, states_in_fp32=True, pieces=1),
-                         {"q", "k"}),
+                         {"q", "k", "v"}),
         "chunk_gla": (chunkstate.chunk_gla, dict(q=q, k=k, v=v, g=nat["g"], gk=nat["gk"], scale=0.25,
-                                                 initial_state=h0, output_final_state=True, **sizes), {"q", "k"}),
+                                                 initial_state=h0, output_final_state=True, **sizes), {"q", "k", "v"}),
         "reference.recurrent_states": (reference.recurrent_states, dict(k=k, v=v, **nat, h0=h0, **sizes,
-                                                                        split_size=2 * BT), {"k"}),
+                                                                        split_size=2 * BT), {"k", "v"}),
         "reference.state_grads": (reference.state_grads, dict(q=q, k=k, v=v, do=do, **nat, h0=h0, dht=dht,
-                                                              scale=0.25, **sizes), {"q", "k"}),
+                                                              scale=0.25, **sizes), {"q", "k", "v"}),
         "gates.chunk_local_cumsum": (gates.chunk_local_cumsum, dict(gate=nat["gk"], chunk_size=BT, cu_seqlens=cu),
                                      {"gate"}),
     }
@@ -196,13 +192,31 @@ def test_one_bad_argument_is_named(data):
         fn(**{**kwargs, arg: bad})
     except (TypeError, ValueError) as e:
         said = str(e)
-        named = arg in said or (arg in leaders and any(a in said for a in kwargs))
+        named = names(said, arg) or (arg in leaders and any(names(said, a) for a in kwargs))
         assert named, f"{name}: {change.__name__} of {arg} raised {type(e).__name__} not naming it: {said}"
         event(f"refused: {change.__name__}")
         return
     except Exception as e:  # noqa: BLE001  anything else is a crash deep inside torch or Triton
         raise AssertionError(f"{name}: {change.__name__} of {arg} crashed with {type(e).__name__}: {e}") from e
     raise AssertionError(f"{name}: {change.__name__} of {arg} ({_show(bad)}) was accepted")
+
+
+def names(message: str, arg: str) -> bool:
+    """The message names ``arg`` as a word ("g must", "gates['g']", not the g of "got")."""
+    return re.search(rf"(?<![\w]){re.escape(arg)}(?![\w])", message) is not None
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_the_valid_calls_run(packed):
+    """The control: every call above is valid as it stands, so each refusal comes from its one change."""
+    for name, (fn, kwargs, _) in calls(packed).items():
+        fn(**kwargs)
+
+
+def test_names_matches_words():
+    assert names("g must have shape [2, 40, 2]", "g") and names("gates['gk'] must be", "gk")
+    assert not names("h0 must have shape [2, 2, 16, 16], got [1]", "g")  # the g of "got", "shape"
+    assert not names("gk must be", "g") and names("config's USE_TMA must be a bool", "USE_TMA")
 
 
 def _show(x):

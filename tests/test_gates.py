@@ -106,13 +106,14 @@ def test_cumsum_rejects_batch_with_cu_seqlens(D):
         chunk_local_cumsum(gate, 4, cu_seqlens=torch.tensor([0, 4, 10]))
 
 
-@pytest.mark.parametrize("chunk_size", [0, -4, 2.5])
-def test_rejects_non_positive_chunk_size(chunk_size):
+@pytest.mark.parametrize("chunk_size,exc", [(0, ValueError), (-4, ValueError), (2.5, TypeError)])
+def test_rejects_non_positive_chunk_size(chunk_size, exc):
+    """Not positive: a ValueError; not an int: a TypeError (as the kernels' chunk_size)."""
     gate = make_gate(1, 10, 2, None)
     cu = torch.tensor([0, 3, 10])
     for fn in (lambda: chunk_local_cumsum(gate, chunk_size), lambda: prepare_chunk_offsets(cu, chunk_size),
                lambda: prepare_chunk_indices(cu, chunk_size)):
-        with pytest.raises(ValueError, match="chunk_size"):
+        with pytest.raises(exc, match="chunk_size must be"):
             fn()
 
 

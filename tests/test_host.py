@@ -504,7 +504,7 @@ def test_a_tuned_key_skips_the_autotuner(monkeypatch, device):
 
 
 class _DeviceSwitches:
-    """Stands in for ``torch.cuda.device``: records each switch, and makes the device current inside."""
+    """Stands in for ``torch.cuda.device``: records each switch, and makes that device current inside."""
 
     def __init__(self, current: list):
         self.current, self.entered = current, []
@@ -515,7 +515,7 @@ class _DeviceSwitches:
         class Switch:
             def __enter__(self):
                 switches.entered.append(device)
-                switches.current.append(1)
+                switches.current.append(device)
 
             def __exit__(self, *exc):
                 switches.current.pop()
@@ -543,11 +543,11 @@ def test_calls_run_on_their_inputs_device(monkeypatch):
     kernel_call(x)  # a CPU tensor
     assert switches.entered == [] and ran_on == [0]
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    for on in (0, 1):
+    for on in (0, 1, 2):
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self, on=on: on)
         kernel_call(x, v=x)
         kernel_call(k=x)
-    assert ran_on == [0, 0, 0, 1, 1] and len(switches.entered) == 2 and current == [0]
+    assert ran_on == [0, 0, 0, 1, 1, 2, 2] and switches.entered == [1, 1, 2, 2] and current == [0]
     for fn in (chunkstate.chunk_fwd_h, chunkstate.chunk_bwd_dh):  # (chunk_gla launches through these two)
         assert fn.__code__.co_filename == _host.__file__ and hasattr(fn, "__wrapped__"), \
             f"{fn.__name__} does not switch to its inputs' device (_host.on_inputs_device)"

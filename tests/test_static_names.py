@@ -11,9 +11,11 @@ and of tests/, and checks, without running them:
 2. **chunkstate attributes**: ``module.name`` on a chunkstate module, read or assigned, is a name
    that module has (assigning a misspelt module flag creates a new attribute and changes nothing);
 3. **calls**: a call of a chunkstate function or class, or of a function the notebook defines,
-   passes arguments its signature accepts (positional count and keyword names).
+   passes arguments its signature accepts (positional count and keyword names; with ``*args`` or
+   ``**kwargs`` in the call, its explicit keyword names only).
 
-It cannot follow values: ``runner.Inputs(shape).gate(...)`` is checked up to ``Inputs(shape)``.
+It cannot follow values: ``runner.Inputs(shape).gate(...)`` is checked up to ``Inputs(shape)``, and
+``inp.gate(...)`` only where ``inp`` is only ever bound to ``runner.Inputs(...)``.
 """
 from __future__ import annotations
 
@@ -227,11 +229,17 @@ def ours(obj) -> bool:
 
 
 def binds(sig: inspect.Signature, call: ast.Call) -> str | None:
-    """Why the call's arguments do not fit the signature; None if they do (or cannot be told)."""
-    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
-        return None  # *args or **kwargs: the count is unknown
+    """Why the call's arguments do not fit the signature; None if they do. With ``*args`` or
+    ``**kwargs`` in the call (how many, which names: unknown) only its explicit keywords are checked,
+    against the names the signature has."""
+    keywords = [k.arg for k in call.keywords if k.arg is not None]
+    if any(isinstance(a, ast.Starred) for a in call.args) or len(keywords) < len(call.keywords):
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        unknown = [] if takes_any else [k for k in keywords if k not in sig.parameters
+                                         or sig.parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+        return f"got an unexpected keyword argument {unknown[0]!r}" if unknown else None
     try:
-        sig.bind(*[None] * len(call.args), **{k.arg: None for k in call.keywords})
+        sig.bind(*[None] * len(call.args), **{k: None for k in keywords})
     except TypeError as e:
         return str(e)
     return None
@@ -418,6 +426,7 @@ if ON_GPU:
     print(never_bound)
     bench.Case(bench.Shape(1, 2, 3), "fwd", final=True, nope=1)
     chunkstate.chunk_fwd_h(1, 2, gg=3)
+    chunkstate.chunk_bwd_dh(*libs, **libs, scael=1.0)
     from chunkstate.gates import no_such
     inp = runner.Inputs(bench.Shape(1, 64, 2))
     inp.gate("g", "gk")
@@ -437,9 +446,10 @@ def test_the_checks_catch_what_they_are_for():
                      "chunkstate.chunk_fwd_h(...): got an unexpected keyword argument 'gg'",
                      "chunkstate.gates has no no_such",
                      "inp.gate(...): too many positional arguments",
-                     "inp.x3: a Inputs has no attribute x3"):
+                     "inp.x3: a Inputs has no attribute x3",
+                     "chunkstate.chunk_bwd_dh(...): got an unexpected keyword argument 'scael'"):
         assert expected in problems, (expected, problems)
-    assert len(problems.splitlines()) == 9, problems
+    assert len(problems.splitlines()) == 10, problems
 
 
 def test_the_gpu_cells_are_read():
