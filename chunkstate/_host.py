@@ -127,7 +127,9 @@ def on_inputs_device(fn):
     Triton launches (and its autotuner times) on the *current* CUDA device, whatever device the
     tensors are on: a call with tensors on ``cuda:1`` while ``cuda:0`` is current would run on the
     wrong GPU (an illegal address, or a slow read over the link). fla's ops switch devices the same
-    way (its ``input_guard``). A CPU tensor, or one on the current device, costs one comparison.
+    way (its ``input_guard``). A CPU tensor costs one attribute read (0.2 µs with the wrapper's call,
+    measured on CPU); a CUDA tensor on the current device two more calls, its device index and the
+    current device's.
     """
     name = next(iter(inspect.signature(fn).parameters))  # k, or q: what the wrapper checks first
 
