@@ -1,7 +1,8 @@
 """What every exercise checker must do, for every checker of every chapter (found by name:
-``chunkstate.exercises.chNN_*.check_*``): pass the shipped solution, and let the error of a
+``chunkstate.exercises.chNN_*.check_*``): pass the shipped solution, let the error of a
 learner's unfinished stub (``NotImplementedError``) out unchanged rather than turn it into a
-verdict. Each chapter's ``test_exercises_chNN.py`` adds the wrong answers its checkers reject."""
+verdict, and give a verdict (an ``AssertionError`` saying what was expected) on an answer of the
+wrong kind, not a ``TypeError`` from inside the checker. Each chapter's ``test_exercises_chNN.py`` adds the wrong answers its checkers reject."""
 import importlib
 import inspect
 import pkgutil
@@ -42,3 +43,16 @@ def test_stub_error_propagates(check):
 
     with pytest.raises(NotImplementedError, match="the learner's stub"):
         check(stub)
+
+
+@pytest.mark.parametrize("answer", [None, 3, "x", (1.5, 2.5)], ids=["None", "int", "str", "tuple"])
+@pytest.mark.parametrize("check", [fn for _, fn in CHECKERS], ids=[name for name, _ in CHECKERS])
+def test_a_wrong_kind_of_answer_gets_a_verdict(check, answer):
+    """A function returning the wrong kind of thing (nothing, a number, a string, a tuple of floats)
+    is told so by an ``AssertionError``, as a wrong value is: never a ``TypeError`` or
+    ``AttributeError`` from deep inside the checker (``len(None)``, ``None.shape``)."""
+    def wrong(*args, **kwargs):
+        return answer
+
+    with pytest.raises(AssertionError):
+        check(wrong)

@@ -97,6 +97,9 @@ def check_states_per_sequence(fn=None) -> None:
         v, _ = pack(seqs_v)
         h, _ = chunk_fwd_h(k, v, cu_seqlens=cu, chunk_size=BT, split_size=BS)
         pieces = fn(h, cu, BS)
+        if not isinstance(pieces, (list, tuple)):
+            raise AssertionError(f"{name} must return a list of tensors, one per sequence, got "
+                                 f"{type(pieces).__name__}")
         if len(pieces) != len(lens):
             raise AssertionError(f"{name}: {len(lens)} sequences (lengths {lens}), got {len(pieces)} pieces")
         for n, (kn, vn) in enumerate(zip(seqs_k, seqs_v)):

@@ -97,7 +97,11 @@ def check_piece_plan(fn=None) -> None:
         out = fn(list(lengths), BS, P)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise AssertionError(f"{name} must return a tuple (cu_pieces, seq_pieces), got {type(out).__name__}")
-        cu, seq = ([int(x) for x in part] for part in out)
+        try:
+            cu, seq = ([int(x) for x in part] for part in out)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{name} must return two lists of ints (cu_pieces, seq_pieces), got {out!r:.80}") \
+                from None
         starts = [0]
         for L in lengths:
             starts.append(starts[-1] + L)
