@@ -91,7 +91,9 @@ def kernel_gates(gates: dict, chunk_size: int, cu_seqlens: torch.Tensor | None =
         gates: any of ``g`` [B, T, H], ``gk`` [B, T, H, K], ``gv`` [B, T, H, V] (natural-log per-token
             decays) and ``g_gamma`` [H] (a natural-log per-step decay), by name.
         chunk_size: the kernels' BT (their ``chunk_size``): the sums restart every BT tokens.
-        cu_seqlens: [N + 1] offsets of a packed batch, or None.
+        cu_seqlens: [N + 1] offsets of a packed batch, or None. Pass the kernel's own: sums made
+            without them restart on the packed row's chunk grid, not each sequence's, and the
+            kernel cannot tell (its states then come out wrong, with no error).
     Returns:
         ``g``, ``gk``, ``gv`` as ``chunk_local_cumsum(x, chunk_size, cu_seqlens)`` (chunk-local
         cumulative sums in log2 units, fp32) and ``g_gamma`` as ``RCP_LN2 * g_gamma`` (log2 units), for
