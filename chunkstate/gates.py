@@ -125,8 +125,8 @@ def _check_cumsum(gate, chunk_size, cu_seqlens, scale, reverse, dtype, floor):
         raise ValueError("gate is on the meta device, which holds no values to sum")
     if gate.dim() not in (3, 4):
         raise ValueError(f"gate must be [B, T, H] or [B, T, H, D], got shape {tuple(gate.shape)}")
-    if cu_seqlens is not None and gate.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1, got gate.shape[0]={gate.shape[0]}")
+    # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
+    _validate.cu_seqlens(cu_seqlens, gate.shape[0], gate.shape[1], like=gate if cu_seqlens is None else cu_seqlens)
     chunk_size = _validate.positive_int("chunk_size", chunk_size)
     scale = _validate.real("scale", scale, fp32=False)
     reverse = _validate.flag("reverse", reverse)
@@ -167,8 +167,6 @@ def chunk_local_cumsum(gate: torch.Tensor, chunk_size: int, cu_seqlens: torch.Te
     """
     gate, chunk_size, scale, reverse = _check_cumsum(gate, chunk_size, cu_seqlens, scale, reverse, dtype, floor)
     T = gate.shape[1]
-    # cu_seqlens may live on any device (it is moved to the gate's): only its values are checked.
-    _validate.cu_seqlens(cu_seqlens, gate.shape[0], T, like=gate if cu_seqlens is None else cu_seqlens)
     ids = _chunk_ids(T, chunk_size, cu_seqlens, gate.device)  # [T] chunk of each token
     # Scatter the tokens into [B, chunks, BT, ...] (position inside its chunk), sum along the chunk,
     # gather back: each chunk's sum sees only its own tokens, so a NaN or -inf gate stays in its chunk.

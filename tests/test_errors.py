@@ -258,19 +258,13 @@ def test_malformed_configs(ok, config, exc, match):
 @pytest.mark.parametrize("config,exc,match", [
     (triton.Config({"BK": 16, "BV": 16, "USE_TMA": "False"}), TypeError, r"config's USE_TMA must be a bool"),
     (triton.Config({"BK": 16, "BV": 16}, num_warps=6), ValueError, r"config's num_warps must be"),
-], ids=["tma-str", "warps6"])
+    (triton.Config({"BK": 16, "BV": 16, "NARROW_V": True}), ValueError,
+     r"config has keys \['NARROW_V'\] this kernel does not take; it takes BK, BV, USE_TMA"),
+], ids=["tma-str", "warps6", "narrow-v"])
 def test_backward_config_values(device, config, exc, match):
     q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
     with pytest.raises(exc, match=match):
         chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, config=config)
-
-
-def test_backward_config_takes_no_narrow_v(device):
-    q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
-    cfg = triton.Config({"BK": 16, "BV": 16, "NARROW_V": True})
-    with pytest.raises(ValueError, match=r"config has keys \['NARROW_V'\] this kernel does not take; it takes BK, BV, "
-                                         r"USE_TMA"):
-        chunkstate.chunk_bwd_dh(q, k, k, k, None, None, 0.25, chunk_size=16, config=cfg)
 
 
 # ------------------------------------------------------------------ no state element: empty outputs, not a crash

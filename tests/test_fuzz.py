@@ -162,11 +162,6 @@ def tensors(c):
     return x
 
 
-def kernel_gates(x, BT):
-    """What the kernels read for case ``x``'s natural-log gates (``gates.kernel_gates``)."""
-    return gates.kernel_gates(x["nat"], BT, x["cu_seqlens"])
-
-
 def tolerance(c, kg) -> float:
     """The module docstring's bound: base rounding plus the fp32 gate-cumsum term."""
     base = TOL_FP32 if c["dtype"] == torch.float32 and not ON_GPU else TOL_LOW
@@ -235,7 +230,7 @@ ALL_GATES = tuple(sorted(GATE_NAMES))
 @example(c=edge(T=0, cu=[0, 0, 0], cu_dtype=torch.int64, K=5, V=7, h0=True, ht=True, gates=("gv",)))
 def test_forward_matches_the_loop(c):
     x = tensors(c)
-    kg = kernel_gates(x, c["BT"])
+    kg = gates.kernel_gates(x["nat"], c["BT"], x["cu_seqlens"])
     vf = c["state_v_first"]
     with nan_poisoned_empty():
         h, ht = chunkstate.chunk_fwd_h(
@@ -267,7 +262,7 @@ def test_forward_matches_the_loop(c):
 @example(c=edge(T=0, cu=[0, 0, 0], K=5, V=7, h0=True, dht=True, scale=0.5))
 def test_backward_matches_autograd_through_the_loop(c):
     x = tensors(c)
-    kg = kernel_gates(x, c["BT"])
+    kg = gates.kernel_gates(x["nat"], c["BT"], x["cu_seqlens"])
     vf = c["state_v_first"]
     kw = dict(pieces=c["pieces"]) if BACKWARD_HAS_PIECES else {}
     with nan_poisoned_empty():

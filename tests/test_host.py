@@ -8,6 +8,7 @@ device synchronisation.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -503,35 +504,24 @@ def test_a_tuned_key_skips_the_autotuner(monkeypatch, device):
     check_close(second[1], ht_ref, "ht, launched from the autotuner's cache", TOL)
 
 
-class _DeviceSwitches:
-    """Stands in for ``torch.cuda.device``: records each switch, and makes that device current inside."""
-
-    def __init__(self, current: list):
-        self.current, self.entered = current, []
-
-    def __call__(self, device):
-        switches = self
-
-        class Switch:
-            def __enter__(self):
-                switches.entered.append(device)
-                switches.current.append(device)
-
-            def __exit__(self, *exc):
-                switches.current.pop()
-
-        return Switch()
-
-
 def test_calls_run_on_their_inputs_device(monkeypatch):
     """Triton launches on the current CUDA device: a call whose first tensor is on another one runs
     with that device made current (``_host.on_inputs_device``), whether the tensor is passed by
     position or by name; a tensor on the current device, or on the CPU, switches nothing. On CPU the
     CUDA side is stood in for: tensors claim to be on ``cuda:1`` while ``cuda:0`` is current."""
-    current = [0]
-    switches = _DeviceSwitches(current)
+    current, entered = [0], []
+
+    @contextlib.contextmanager
+    def switch(device):  # stands in for torch.cuda.device: makes ``device`` current inside
+        entered.append(device)
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[-1])
-    monkeypatch.setattr(torch.cuda, "device", switches)
+    monkeypatch.setattr(torch.cuda, "device", switch)
     ran_on = []
 
     @_host.on_inputs_device
@@ -541,13 +531,13 @@ def test_calls_run_on_their_inputs_device(monkeypatch):
 
     x = torch.zeros(2)
     kernel_call(x)  # a CPU tensor
-    assert switches.entered == [] and ran_on == [0]
+    assert entered == [] and ran_on == [0]
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     for on in (0, 1, 2):
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self, on=on: on)
         kernel_call(x, v=x)
         kernel_call(k=x)
-    assert ran_on == [0, 0, 0, 1, 1, 2, 2] and switches.entered == [1, 1, 2, 2] and current == [0]
+    assert ran_on == [0, 0, 0, 1, 1, 2, 2] and entered == [1, 1, 2, 2] and current == [0]
     for fn in (chunkstate.chunk_fwd_h, chunkstate.chunk_bwd_dh):  # (chunk_gla launches through these two)
         assert fn.__code__.co_filename == _host.__file__ and hasattr(fn, "__wrapped__"), \
             f"{fn.__name__} does not switch to its inputs' device (_host.on_inputs_device)"

@@ -319,7 +319,7 @@ def test_importing_asks_no_device_anything():
     interpreter; that creates no CUDA context.)"""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", IMPORT_WITHOUT_DEVICE_CALLS], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1], env=env)
+                          timeout=300, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "imported" in done.stdout
 
@@ -327,11 +327,11 @@ def test_importing_asks_no_device_anything():
 def test_readme_example_runs():
     """The README's first example (under "The package in brief") runs as written and prints a passing
     check, under the interpreter (forced, so a GPU machine runs it on CPU tensors too)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme.split("## The package in brief", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "chunk_fwd_h" in code and "check_close" in code
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TRITON_INTERPRET="1"))
+                          cwd=REPO, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("h: rel. error") and "✓" in done.stdout, done.stdout

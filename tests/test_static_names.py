@@ -270,7 +270,7 @@ def instances_of(b: Bindings, resolved: dict) -> dict[str, type]:
             except Unresolved:
                 obj = None
             classes.add(obj if inspect.isclass(obj) and ours(obj) else None)
-        if len(classes) == 1 and None not in classes and name not in b.imported and name not in b.functions:
+        if len(classes) == 1 and None not in classes:
             out[name] = classes.pop()
     return out
 
@@ -303,15 +303,6 @@ def method_signature(cls: type, attr: str) -> inspect.Signature | None:
         return None
     params = list(inspect.signature(raw).parameters.values())[1:]
     return inspect.Signature(params)
-
-
-def follow_parent(obj, chain):
-    """What ``follow`` reaches, without the errors (already reported)."""
-    for attr in chain:
-        if not isinstance(obj, types.ModuleType):
-            return obj
-        obj = getattr(obj, attr) if hasattr(obj, attr) else importlib.import_module(f"{obj.__name__}.{attr}")
-    return obj
 
 
 def mark_parents(tree: ast.AST) -> None:
@@ -365,7 +356,7 @@ def chunkstate_problems(source: str, filename: str, package_of: str | None,
                 except Unresolved:
                     continue  # reported above as an attribute
                 # only what the chain names itself (not a method of a value it reached)
-                if len(chain) > 1 and not isinstance(follow_parent(resolved[chain[0]], chain[1:-1]), types.ModuleType):
+                if len(chain) > 1 and not isinstance(follow(resolved[chain[0]], chain[1:-1], shown), types.ModuleType):
                     continue
                 sig = signature_of(obj) if ours(obj) else None
             else:
@@ -384,21 +375,21 @@ def chunkstate_problems(source: str, filename: str, package_of: str | None,
 # ---------------------------------------------------------------------------------------------
 # the tests
 
-SOURCES = ([(p, "notebook") for p in NOTEBOOKS] + [(p, "package") for p in PACKAGE_FILES]
-           + [(p, "tests") for p in TEST_FILES])
+SOURCES = NOTEBOOKS + PACKAGE_FILES + TEST_FILES
+IDS = [str(p.relative_to(ROOT)) for p in SOURCES]
 
 
 def read(path: Path) -> str:
     return notebook_source(path) if path.suffix == ".ipynb" else path.read_text()
 
 
-@pytest.mark.parametrize("path", [p for p, _ in SOURCES], ids=[str(p.relative_to(ROOT)) for p, _ in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=IDS)
 def test_every_name_is_bound(path):
     missing = unbound_names(read(path), str(path))
     assert not missing, f"{path.relative_to(ROOT)} reads names bound nowhere: {missing}"
 
 
-@pytest.mark.parametrize("path", [p for p, _ in SOURCES], ids=[str(p.relative_to(ROOT)) for p, _ in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=IDS)
 def test_chunkstate_names_and_calls_exist(path):
     mod = module_name(path)
     package_of = None if mod is None else (mod if path.name == "__init__.py" else mod.rpartition(".")[0])
