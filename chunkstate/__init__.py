@@ -22,6 +22,10 @@ if not _interpreter_ready():  # triton imported too early: every kernel call rai
     import warnings as _warnings
 
     _warnings.warn(_NOT_READY, stacklevel=2)
+if INTERPRET:  # Triton 3.6's interpreter and NumPy >= 2.4: loop bounds as Triton 3.7 turns them into ints
+    from .env import backport_interpreter_index as _backport
+
+    _backport()
 from . import delta, gates, reference, testing  # noqa: E402
 from .forward import chunk_fwd_h  # noqa: E402
 from .backward import chunk_bwd_dh  # noqa: E402

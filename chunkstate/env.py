@@ -65,3 +65,23 @@ def check_interpreter() -> None:
     """Raise RuntimeError (``NOT_READY``) where the kernels cannot run (``interpreter_ready``)."""
     if not interpreter_ready():
         raise RuntimeError(NOT_READY)
+
+
+def backport_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a runtime loop bound (a 1-element array there) into an int with
+    ``int(array)``, which NumPy 2.4 and later refuse ("only 0-dimensional arrays can be converted to
+    Python scalars"): every kernel loop over a runtime chunk count failed under it. Triton 3.7 and
+    later squeeze the array first; this applies that same line to the interpreter of an older Triton
+    (called at import, under the interpreter only)."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patch_with_squeezed_index(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_with_squeezed_index.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_with_squeezed_index

@@ -145,15 +145,15 @@ def test_kernel_gates_is_each_gates_cumsum_and_log2_gamma(cu):
     assert set(kernel_gates({"gk": nat["gk"]}, BT, cu)) == {"gk"}  # only the gates given
 
 
-def test_kernel_gates_drive_the_kernel_to_the_token_loop():
+def test_kernel_gates_drive_the_kernel_to_the_token_loop(device):
     """What kernel_gates returns is what chunk_fwd_h takes: its states match the token loop run on
     the natural-log gates."""
     import chunkstate
     from chunkstate import reference
 
     B, T, H, K, V, BT = 1, 40, 2, 16, 16, 16
-    k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
-    nat = random_gates(B, T, H, K, V, mild=True)
+    k, v = torch.randn(B, T, H, K, device=device), torch.randn(B, T, H, V, device=device)
+    nat = random_gates(B, T, H, K, V, mild=True, device=device)
     h, ht = chunkstate.chunk_fwd_h(k, v, **kernel_gates(nat, BT), output_final_state=True, chunk_size=BT)
     ref_h, ref_ht = reference.recurrent_states(k, v, **nat, chunk_size=BT)
     check_close(h, ref_h, "chunk_fwd_h with kernel_gates vs the loop: h", 1e-4)
