@@ -725,14 +725,26 @@ def test_a_cases_calls_are_timed_in_interleaved_rounds(monkeypatch):
         ms = next(times[name])
         return {"ms": ms, "p20": ms - 0.5, "p80": ms + 0.5}
 
+    host_times = {"a": iter([50.0, 10.0, 30.0, 20.0, 40.0]), "b": iter([7.0] * 5), "c": iter([1.0])}
+    host_calls = []
+
+    def fake_host_time(fn, calls=None):  # right after the same round's do_bench of the same call
+        name = fn()
+        assert order[-1] == name and calls == runner.ROUND_HOST_CALLS
+        host_calls.append(name)
+        return next(host_times[name])
+
     monkeypatch.setattr(runner, "do_bench", fake_bench)
+    monkeypatch.setattr(runner, "host_time_us", fake_host_time)
     orders = runner.round_orders(["a", "b", "c"], 5, seed="B1 T4096 H2 fwd g bf16 ht")
     got = runner.interleaved({n: (lambda n=n: n) for n in "abc"}, rounds=5, seed="B1 T4096 H2 fwd g bf16 ht")
     assert seen_settings == {(runner.ROUND_WARMUP_MS, runner.ROUND_REP_MS)}
     # the rounds in their orders; c raised in round 1 (its second) and is timed no more after it
     assert order == [n for i, o in enumerate(orders) for n in o if n != "c" or i <= 1]
+    assert host_calls == [n for i, o in enumerate(orders) for n in o if n != "c" or i == 0]  # not after a raise
     assert got["a"] == {"ms": 3.0, "p20": 2.5, "p80": 3.5, "rounds": [5.0, 1.0, 3.0, 2.0, 4.0],
-                        "after": got["a"]["after"]}
+                        "after": got["a"]["after"], "host_us": 30.0, "host_rounds": [50.0, 10.0, 30.0, 20.0, 40.0]}
+    assert got["b"]["host_us"] == 7.0
     assert got["b"]["ms"] == 2.0 and got["b"]["rounds"] == [2.0, 2.0, 9.0, 2.0, 2.0]
     assert got["c"] == {"error": "RuntimeError: out of memory"}
     # "after": what was timed just before each call in each round (c only in round 0, where it succeeded)

@@ -45,6 +45,7 @@ WARMUP_MS, REP_MS = 10, 50  # do_bench per single measurement (host probes, swee
 # timed in different host states; interleaved, each sees the same ones.
 ROUNDS = 5
 ROUND_WARMUP_MS, ROUND_REP_MS = 2, 10
+ROUND_HOST_CALLS = 10  # per round, after its do_bench, the host's time per call of each call (host_time_us)
 COPY_BYTES = 1 << 30  # the copy-bandwidth probe copies 1 GiB (2 GiB moved)
 
 
@@ -85,10 +86,14 @@ def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
     rounds of ``do_bench(ROUND_WARMUP_MS, ROUND_REP_MS)``, every function once per round, in the
     orders ``round_orders(names, rounds, seed)`` gives. Returns, by name, ``ms``, ``p20`` and
     ``p80``: the medians over the rounds of each round's; ``rounds``: each round's median; ``after``:
-    per round, the function timed just before it (None: first in its round). A function that raises
-    is timed no more and gets ``{"error": ...}``."""
+    per round, the function timed just before it (None: first in its round); ``host_us``: the median
+    over the rounds of the host's time per call (``host_time_us`` of ``ROUND_HOST_CALLS`` calls,
+    right after the round's ``do_bench``), and ``host_rounds`` each round's. Where ``host_us`` is near
+    ``ms`` (in µs) the call's time is the host's: a small call, which ``do_bench`` times back to back.
+    A function that raises is timed no more and gets ``{"error": ...}``."""
     names = list(fns)
     per = {n: [] for n in names}
+    host = {n: [] for n in names}
     after = {n: [] for n in names}
     errors = {}
     for order in round_orders(names, rounds, seed):
@@ -97,11 +102,15 @@ def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
             if n in errors:
                 continue
             try:
-                per[n].append(do_bench(fns[n], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS))
-                after[n].append(previous)
-                previous = n
+                timing = do_bench(fns[n], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS)
+                host_us = host_time_us(fns[n], calls=ROUND_HOST_CALLS)
             except Exception as e:
                 errors[n] = f"{type(e).__name__}: {str(e)[:500]}"
+                continue
+            per[n].append(timing)
+            host[n].append(host_us)
+            after[n].append(previous)
+            previous = n
     out = {}
     for n in names:
         if n in errors:
@@ -110,6 +119,8 @@ def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
         out[n] = {q: statistics.median(t[q] for t in per[n]) for q in ("ms", "p20", "p80")}
         out[n]["rounds"] = [t["ms"] for t in per[n]]
         out[n]["after"] = after[n]
+        out[n]["host_us"] = statistics.median(host[n])
+        out[n]["host_rounds"] = host[n]
     return out
 
 
@@ -345,12 +356,14 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
             r[slot].update(timed[slot])
     if explicit:
         r["pieces_ms"], r["pieces_rounds"], r["pieces_after"], r["pieces_configs"] = {}, {}, {}, {}
+        r["pieces_host_us"] = {}
         for P, entry in explicit.items():
             entry.update(timed.get(f"pieces={P}", {}))
             r["pieces_ms"][str(P)] = entry.get("ms")
             r["pieces_rounds"][str(P)] = entry.get("rounds")
             r["pieces_after"][str(P)] = entry.get("after")
             r["pieces_configs"][str(P)] = entry.get("configs")
+            r["pieces_host_us"][str(P)] = entry.get("host_us")
             if P == 1:
                 r["ours_one_pass"] = entry
     return derive(r, copy_tbps)
@@ -450,7 +463,9 @@ def metadata(mode: str, copy: dict | None, libs: Libraries | None, cache: dict) 
             "do_bench": {"rounds": ROUNDS, "warmup_ms": ROUND_WARMUP_MS, "rep_ms": ROUND_REP_MS,
                          "statistic": "per call, the median over the rounds of each round's median (p20, p80 "
                                       "likewise); a case's calls interleaved, each round in its own shuffled "
-                                      "order (round_orders, seeded by the case)"},
+                                      "order (round_orders, seeded by the case)",
+                         "host_us": f"per call, the median over the rounds of the host's time per call (a sync "
+                                    f"before each, {ROUND_HOST_CALLS} calls right after the round's do_bench)"},
             "BT": BT, "inputs": "bf16 k, v / q, do; fp32 gates (chunk-local log2 cumsums); no h0, ht, dht",
             "bytes_model": " ".join(unique_bytes.__doc__.split()),
             "fla": libs.fla_info if libs else None}
