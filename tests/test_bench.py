@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import types
@@ -1217,34 +1218,27 @@ def test_the_readme_quotes_the_random_runs_it_names():
     """The README's random-shape summary, recomputed from the committed runs it names: the win count,
     the geometric means, the cases with a floor of 0.1 ms or more, the losses' range, and the pieces
     criterion. A new run quoted without its numbers (or numbers without their run) fails here."""
-    import math
-    import re
-
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     text = " ".join(readme[readme.index("**On random model shapes**"):readme.index("**The fixed suite**")].split())
     seeds = [int(s) for s in re.search(r"three fresh seeds \((\d+), (\d+), (\d+);", text).groups()]
     reports = [json.loads(committed(f"bench_h200_random_s{seed}.json").read_text()) for seed in seeds]
+    summaries = [bench.random_summary(rep) for rep in reports]
+
+    def summed(key):  # over the runs
+        return sum(s[key] for s in summaries)
+
+    assert f"; {summed('compared')} cases, " in text and f"**{summed('wins')} of {summed('compared')}** cases" in text
     cases = [r for rep in reports for r in rep["cases"] if r.get("fla_over_ours")]
     ratios = [r["fla_over_ours"] for r in cases]
-    wins = sum(x >= bench.report.WIN_AT for x in ratios)
-
-    def geomean(xs):
-        xs = list(xs)
-        return math.exp(sum(map(math.log, xs)) / len(xs))
-
-    assert f"; {len(ratios)} cases, " in text and f"**{wins} of {len(ratios)}** cases" in text
-    by_dir = {d: geomean(r["fla_over_ours"] for r in cases if r["direction"] == d) for d in ("fwd", "bwd")}
-    assert f"**{geomean(ratios):.2f}** ({by_dir['fwd']:.2f} forward, {by_dir['bwd']:.2f} backward)" in text
+    by_dir = {d: bench.geomean(r["fla_over_ours"] for r in cases if r["direction"] == d) for d in ("fwd", "bwd")}
+    assert f"**{bench.geomean(ratios):.2f}** ({by_dir['fwd']:.2f} forward, {by_dir['bwd']:.2f} backward)" in text
     big = [r for r in cases if r["floor_ms"] >= 0.1]
     big_wins = sum(r["fla_over_ours"] >= bench.report.WIN_AT for r in big)
     assert f"at least 0.97× in {big_wins} of {len(big)} cases" in text
     assert f"within {max(r['ours']['x_floor'] for r in big):.1f}× of the floor" in text
     lost = sorted(x for x in ratios if x < bench.report.WIN_AT)  # the worst first
-    words = {6: "six", 7: "seven", 8: "eight"}
-    ordinal = {7: "seventh", 8: "eighth"}
+    words, ordinal = {6: "six", 7: "seven", 8: "eight"}, {7: "seventh", 8: "eighth"}
     assert f"Of the {words[len(lost)]} cases below 0.97×, {words[len(lost) - 1]} are {lost[1]:.2f}-{lost[-1]:.2f}×" in text
     assert f"The {ordinal[len(lost)]}, {lost[0]:.2f}×" in text
-    summaries = [bench.random_summary(rep) for rep in reports]
-    ok, explored = (sum(s[k] for s in summaries) for k in ("pieces_ok", "pieces_explored"))
-    choice_ok, choices = (sum(s[k] for s in summaries) for k in ("choice_ok", "choices_explored"))
-    assert f"in {ok} of {explored} such cases ({choice_ok} of {choices} judging" in text
+    assert (f"in {summed('pieces_ok')} of {summed('pieces_explored')} such cases "
+            f"({summed('choice_ok')} of {summed('choices_explored')} judging") in text
