@@ -121,6 +121,27 @@ def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[list[int],
     return lens, NS, first_slots
 
 
+# The current CUDA device's index and stream, as ``torch.cuda.current_device()`` and
+# ``torch.cuda.current_stream(index).cuda_stream`` give them, without their Python layers (the lazy
+# CUDA initialisation's check, a ``Stream`` object): a call asks for them up to four times, and on an
+# H200's host those layers cost ~2 and ~4 µs a time (figures/README.md, session 23). Only asked once
+# CUDA is in use (a CUDA tensor exists, so it is initialised). A CPU-only torch has neither function.
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+_cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_device() -> int:
+    """The current CUDA device's index (CUDA already initialised)."""
+    return _cuda_device() if _cuda_device is not None else torch.cuda.current_device()
+
+
+def current_raw_stream(index: int) -> int:
+    """The address of the current CUDA stream of device ``index`` (CUDA already initialised)."""
+    if _cuda_raw_stream is not None:
+        return _cuda_raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def on_inputs_device(fn):
     """Run ``fn`` with the CUDA device of its first argument made current.
 
@@ -138,7 +159,7 @@ def on_inputs_device(fn):
         first = args[0] if args else kwargs.get(name)
         if isinstance(first, torch.Tensor) and first.is_cuda:
             index = first.get_device()
-            if index != torch.cuda.current_device():
+            if index != current_device():
                 with torch.cuda.device(index):
                     return fn(*args, **kwargs)
         return fn(*args, **kwargs)

@@ -182,10 +182,13 @@ _plans: dict[tuple, tuple] = {}  # (id(kernel), argument names) -> how direct_ke
 
 def direct_key(kernel, args: dict, N: int, config=None) -> tuple | None:
     """Everything a launch of ``kernel`` with ``args`` over N sequences depends on beyond the
-    tensors' contents and T: each tensor's dtype, 16-byte alignment, contiguity and device, each
-    flag and size (a ``tl.constexpr``) as it is, a scalar Triton never specialises (T, ``scale``)
-    by its type only; N, the current device, the shared-memory cap and an explicit config.
-    None where launches are never direct (``DIRECT``)."""
+    tensors' contents and T: each tensor's dtype, 16-byte alignment and contiguity, each flag and
+    size (a ``tl.constexpr``) as it is, a scalar Triton never specialises (T, ``scale``) by its
+    type only; N, the current device, the shared-memory cap and an explicit config. (Every tensor
+    of a launch is on the current device: the wrappers check their inputs are on one device and
+    make it current, ``_host.on_inputs_device``, and allocate on it.) None where launches are
+    never direct (``DIRECT``). Every call asks, so it is built in one expression from a plan made
+    once per kernel and argument names (``_key_plan``)."""
     if not DIRECT:
         return None
     names = tuple(args)
@@ -193,29 +196,32 @@ def direct_key(kernel, args: dict, N: int, config=None) -> tuple | None:
     if plan is None:
         plan = _plans[id(kernel), names] = _key_plan(kernel, names)
     constants, tensors, widths = plan
-    key = [id(kernel), N, torch.cuda.current_device(), os.environ.get(tuning.SMEM_LIMIT_ENV), names,
-           None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages),
-           constants(args) if constants is not None else ()]
-    for name in tensors:  # tensors, None, or a scalar Triton specialises on its value
-        x = args[name]
-        if isinstance(x, torch.Tensor):
-            key.append((x.dtype, x.data_ptr() % 16 == 0, x.is_contiguous(), x.get_device()))
-        else:
-            key.append(x)
-    for name in widths:  # unspecialised scalars: an int by whether it fits in 32 bits, a float by its type
-        x = args[name]
-        key.append(type(x) is float or -2 ** 31 <= x < 2 ** 31)
-    return tuple(key)
+    return (id(plan), N, _host.current_device(), os.environ.get(tuning.SMEM_LIMIT_ENV),
+            None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages),
+            constants(args),
+            # tensors, None, or a scalar Triton specialises on its value
+            tuple([(x.dtype, x.data_ptr() % 16 == 0, x.is_contiguous()) if isinstance(x, torch.Tensor) else x
+                   for x in tensors(args)]),
+            # scalars never specialised: an int by whether it fits in 32 bits, a float by its type
+            tuple([type(x) is float or -2 ** 31 <= x < 2 ** 31 for x in widths(args)]))
+
+
+def _getter(names: list[str]):
+    """``itemgetter(*names)`` that always returns a tuple (one name, or none, included)."""
+    if len(names) > 1:
+        return itemgetter(*names)
+    return lambda args: tuple(args[n] for n in names)
 
 
 def _key_plan(kernel, names: tuple) -> tuple:
-    """For ``direct_key``: an itemgetter of the ``tl.constexpr`` arguments (taken as they are), then
-    the names of the arguments that may be tensors, then those Triton never specialises."""
+    """For ``direct_key``: getters of the ``tl.constexpr`` arguments (taken as they are), of the
+    arguments that may be tensors, and of those Triton never specialises. The plan object's id
+    stands for ``names`` in the key (plans are never dropped)."""
     params = {p.name: p for p in kernel.params}
     constants = [n for n in names if n not in params or params[n].is_constexpr]
     widths = [n for n in names if n in params and not params[n].is_constexpr and params[n].do_not_specialize]
     tensors = [n for n in names if n not in constants and n not in widths]
-    return itemgetter(*constants) if constants else None, tuple(tensors), tuple(widths)
+    return _getter(constants), _getter(tensors), _getter(widths)
 
 
 def remember_direct(key: tuple, kernel, compiled, call_args: dict, added: dict, grid: tuple, *, tuned=None,
@@ -258,8 +264,7 @@ def direct(key: tuple, call_args: dict) -> bool:
         entry.tuned.best_config = entry.chosen
     _direct.move_to_end(key)
     compiled = entry.compiled
-    device = triton.runtime.driver.active.get_current_device()
-    stream = triton.runtime.driver.active.get_current_stream(device)
+    stream = _host.current_raw_stream(_host.current_device())  # what Triton's driver asks torch for
     compiled.run(*entry.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *entry.in_order({**call_args, **entry.constants}))
     return True

@@ -367,7 +367,8 @@ def _kept(kind: str, NP: int, p: Problem, use_gv: bool, device, make):
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         return make()
-    key = (kind, device, torch.cuda.current_stream(device).cuda_stream if cuda else None, NP, p.H, p.K, p.V,
+    # the raw stream, not torch.cuda.current_stream(device): ~10 µs less of an H200 host's time a call
+    key = (kind, device, _host.current_raw_stream(device.index) if cuda else None, NP, p.H, p.K, p.V,
            p.state_v_first, use_gv)
     views = _WORKSPACES.get(key)
     if views is None:

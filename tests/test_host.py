@@ -520,7 +520,7 @@ def test_calls_run_on_their_inputs_device(monkeypatch):
         finally:
             current.pop()
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[-1])
+    monkeypatch.setattr(_host, "current_device", lambda: current[-1])  # what the wrapper asks
     monkeypatch.setattr(torch.cuda, "device", switch)
     ran_on = []
 
@@ -562,3 +562,17 @@ def test_kernels_on_a_second_gpu():
     dh_ref, dh0_ref = reference.state_grads(q, k, v, do, **nat, h0=h0, dht=dht, scale=0.5, chunk_size=BT)
     for out, ref, what in ((h, h_ref, "h"), (ht, ht_ref, "ht"), (dh, dh_ref, "dh"), (dh0, dh0_ref, "dh0")):
         check_close(out, ref, f"{what} on cuda:1", TOL)
+
+
+@pytest.mark.gpu(reason="the current device and stream are CUDA's")
+def test_current_device_and_stream_are_torchs():
+    """``_host.current_device`` and ``current_raw_stream`` (torch's C functions, without the Python
+    layers) answer what ``torch.cuda.current_device()`` and ``current_stream(i).cuda_stream`` do,
+    on the default stream and inside another one."""
+    index = torch.cuda.current_device()
+    assert _host.current_device() == index
+    assert _host.current_raw_stream(index) == torch.cuda.current_stream(index).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _host.current_raw_stream(index) == side.cuda_stream != torch.cuda.default_stream(index).cuda_stream
+    assert _host.current_raw_stream(index) == torch.cuda.current_stream(index).cuda_stream

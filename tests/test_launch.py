@@ -92,7 +92,7 @@ def test_the_direct_key_separates_what_triton_tells_apart(monkeypatch):
     stays on the direct path."""
     launches = _recorded_launches(monkeypatch)
     monkeypatch.setattr(launch, "DIRECT", True)
-    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch._host, "current_device", lambda: 0)
     twins = {id(k): _compiled_twin(k) for k, _, _ in launches}
     rows = []
     for kernel, args, N in launches:
