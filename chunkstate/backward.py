@@ -294,8 +294,8 @@ def chunk_bwd_dh(
     if P == 1 or p.H * p.K * p.V == 0:  # (no state element, dh and dh0 empty: no launch, nothing to cut)
         _backward_pass(q, do, g, g_gamma, gk, gv, scale, p, config, cu_seqlens=p.cu_seqlens,
                        split_offsets=p.split_offsets, N=p.N, states=dh, start=dht, end=dh0)
-    else:  # the pieces are packed along T: a dense batch is one packed row
-        q, do, g, gk, gv = (_pieces.packed(x, B, T) for x in (q, do, g, gk, gv))
+    else:  # the pieces are packed along T, and a dense batch's rows already lie in memory as one packed row
+        # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
         run_pass = functools.partial(_backward_pass, q, do, g, g_gamma, gk, gv, scale, p, config)
         _pieces.run(run_pass, p, P, dh, dht, dh0, use_gv=gv is not None, reverse=True)
     return dh, dh0

@@ -269,8 +269,8 @@ def chunk_fwd_h(
     if P == 1 or p.H * p.K * p.V == 0:  # (no state element, h and ht empty: no launch, nothing to cut)
         _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
                       N=p.N, states=h, start=h0, end=ht)
-    else:  # the pieces are packed along T: a dense batch is one packed row
-        k, v, g, gk, gv = (_pieces.packed(x, B, T) for x in (k, v, g, gk, gv))
+    else:  # the pieces are packed along T, and a dense batch's rows already lie in memory as one packed row
+        # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
         run_pass = functools.partial(_forward_pass, k, v, g, g_gamma, gk, gv, p, config)
         _pieces.run(run_pass, p, P, h, h0, ht, use_gv=gv is not None, reverse=False)
     return h, ht

@@ -439,20 +439,15 @@ def scan(F, decay_k, decay_v, s0, s_end, seq_pieces, N, H, K, V, reverse, state_
     return S
 
 
-def packed(x, B: int, T: int):
-    """A dense [B, T, ...] tensor as one packed row [1, B·T, ...] (the same memory); None, and a
-    batch of one row, stay as they are."""
-    return x if x is None or B == 1 else x.reshape(1, B * T, *x.shape[2:])
-
-
 def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use_gv: bool, reverse: bool) -> None:
     """The three steps (module docstring) for the sequences of ``p``, filling ``states`` (h or dh)
     and ``end`` (ht or dh0, if given) in place: in one launch (``ONE_LAUNCH``, unless a sequence is
     empty) or three.
 
     ``run_pass(cu_seqlens=, split_offsets=, N=, states=, start=, end=, decay_k=, decay_v=,
-    look_back=)`` launches the kernel over pieces packed along T (the wrapper packs a dense batch as
-    one row); ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the
+    look_back=)`` launches the kernel over pieces packed along T (a dense batch's [B, T] rows, and
+    its states' [B, NS] slots, lie in memory as one packed row, and the kernel reads them through the
+    offsets only); ``start`` is h0 (forward) or dht (backward), ``reverse`` walks the pieces from the
     last; ``look_back``: the one launch's buffers, by the kernels' argument names."""
     dev = states.device
     NP, cu_pieces, seq_pieces, piece_splits, piece_seq = _plan_on_device(p.lengths, p.BS, pieces, dev)
@@ -461,7 +456,7 @@ def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use
         with serialised():  # the workspace is this call's until its launch is queued
             contributions, decay_k, decay_v, flags, counter = _look_back_workspace(NP, p, use_gv, dev)
             run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP,
-                     states=states.view(1, -1, *states.shape[2:]), start=start, end=end, decay_k=decay_k,
+                     states=states, start=start, end=end, decay_k=decay_k,
                      decay_v=decay_v, look_back=dict(counter=counter, flags=flags, contributions=contributions,
                                                      piece_seq=piece_seq, seq_pieces=seq_pieces))
         return
@@ -474,4 +469,4 @@ def run(run_pass, p: Problem, pieces: int, states: torch.Tensor, start, end, use
         scan(F, decay_k, decay_v, start, end, seq_pieces, p.N, p.H, p.K, p.V, reverse, p.state_v_first, S)
         # 3. each piece again from its true start, storing its states in place
         run_pass(cu_seqlens=cu_pieces, split_offsets=piece_splits, N=NP,
-                 states=states.view(1, -1, *states.shape[2:]), start=S, end=None)
+                 states=states, start=S, end=None)
