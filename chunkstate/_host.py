@@ -124,7 +124,7 @@ def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[list[int],
 # The current CUDA device's index and stream, as ``torch.cuda.current_device()`` and
 # ``torch.cuda.current_stream(index).cuda_stream`` give them, without their Python layers (the lazy
 # CUDA initialisation's check, a ``Stream`` object): a call asks for them up to four times, and on an
-# H200's host those layers cost ~2 and ~4 µs a time (figures/README.md, session 23). Only asked once
+# H200's host those layers took ~2 and ~13 µs a time under cProfile (figures/README.md, session 23). Only asked once
 # CUDA is in use (a CUDA tensor exists, so it is initialised). A CPU-only torch has neither function.
 _cuda_device = getattr(torch._C, "_cuda_getDevice", None)
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

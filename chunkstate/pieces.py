@@ -367,7 +367,7 @@ def _kept(kind: str, NP: int, p: Problem, use_gv: bool, device, make):
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         return make()
-    # the raw stream, not torch.cuda.current_stream(device): ~10 µs less of an H200 host's time a call
+    # the raw stream, not torch.cuda.current_stream(device), which took ~13 µs of an H200 host's time under cProfile
     key = (kind, device, _host.current_raw_stream(device.index) if cuda else None, NP, p.H, p.K, p.V,
            p.state_v_first, use_gv)
     views = _WORKSPACES.get(key)
