@@ -460,8 +460,37 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
             assert p["fla"][direction]["do_bench_us"] == 1000.0 and p["fla"][direction]["host_us"] > 0
         assert f"host probe ({when}, B1 T64 H1 D16): fwd one pass 1000 µs, 2 pieces 1000 µs" in out
         assert "the host's time per call, one pass / 2 pieces: fwd " in out and "fla, do_bench / host: fwd 1000 / " in out
+        assert p["cache_clear_us"] is None  # the interpreter has no GPU driver, so no cache to clear
+        assert "cache clear" not in format_line(p)
     monkeypatch.setattr(runner, "call", lambda *a, **k: 1 / 0)
     assert runner.host_probe(None)["error"].startswith("ZeroDivisionError")
+
+
+def format_line(probe):
+    return runner.format_host_probe(probe, "start")
+
+
+def test_the_cache_clear_is_timed_where_triton_has_a_gpu_driver(monkeypatch):
+    """``cache_clear_us``: do_bench's time of zeroing the buffer Triton's ``do_bench`` clears before
+    each timed call (how much host time it hides), in µs; None without a GPU driver. The host
+    probe's line says it."""
+    zeroed = []
+    cache = types.SimpleNamespace(zero_=lambda: zeroed.append(True))
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(get_empty_cache_for_benchmark=lambda: cache))
+    monkeypatch.setattr(runner.triton.runtime, "driver", driver)
+    monkeypatch.setattr(runner, "do_bench", lambda fn: (fn(), {"ms": 0.083})[1])
+    assert runner.cache_clear_us() == pytest.approx(83.0) and zeroed == [True]
+
+    class NoDriver:
+        @property
+        def active(self):
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(runner.triton.runtime, "driver", NoDriver())
+    assert runner.cache_clear_us() is None
+    probe = {"shape": "B1 T4096 H2", "model_us": {d: {"pieces=1": 1, "pieces=2": 2} for d in ("fwd", "bwd")},
+             **{d: {"pieces=1": 50.0, "pieces=2": 90.0} for d in ("fwd", "bwd")}, "cache_clear_us": 83.2}
+    assert format_line(probe).endswith("; do_bench's cache clear 83 µs")
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")

@@ -488,17 +488,30 @@ def host_time_us(fn, calls: int | None = None) -> float:
     return statistics.median(times)
 
 
+def cache_clear_us() -> float | None:
+    """The GPU time of the L2 clear ``do_bench`` runs before each timed call (Triton's 256 MB
+    buffer, zeroed): host time before a call's launch hides behind it, and beyond it is timed as the
+    call's (figures/README.md, session 23). None where Triton has no GPU driver (the interpreter)."""
+    try:
+        cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    except RuntimeError:  # "0 active drivers": no GPU
+        return None
+    return do_bench(cache.zero_)["ms"] * 1e3
+
+
 def host_probe(lib, fla=None) -> dict:
     """On a shape whose GPU work is a few µs (``HOST_PROBE``, also ``--calibrate``'s: host-bound
     calls), in this process, per direction: ``do_bench`` µs of one pass and of a call in 2 pieces (the
     fixed costs of the pieces model as this run pays them, beside ``pieces.COSTS``, which
     ``--calibrate`` measured in a process of its own), and under ``host_us`` the host's own time per
-    call (``host_time_us``); with ``fla`` (a library), the same two for its call under ``"fla"``.
-    Errors are recorded, not raised."""
+    call (``host_time_us``); with ``fla`` (a library), the same two for its call under ``"fla"``;
+    and ``cache_clear_us``, how much host time ``do_bench`` hides (``cache_clear_us()``). Errors
+    are recorded, not raised."""
     s = HOST_PROBE
     out = {"shape": s.label, "model_us": {d: {"pieces=1": c.one_pass_fixed_us, "pieces=2": c.fixed_us}
                                           for d, c in pieces.COSTS.items()}}
     try:
+        out["cache_clear_us"] = cache_clear_us()
         inp = Inputs(s)
 
         def both(library, direction, **extra):  # (do_bench µs, the host's µs) of one call
@@ -532,6 +545,8 @@ def format_host_probe(probe: dict, when: str) -> str:
     if "fla" in probe:
         line += "; fla, do_bench / host: " + ", ".join(
             f"{d} {probe['fla'][d]['do_bench_us']:.0f} / {probe['fla'][d]['host_us']:.0f} µs" for d in ("fwd", "bwd"))
+    if probe.get("cache_clear_us") is not None:
+        line += f"; do_bench's cache clear {probe['cache_clear_us']:.0f} µs"
     return line
 
 
