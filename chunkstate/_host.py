@@ -19,6 +19,10 @@ answer cannot come back:
 * ``on_device(values, dtype, device)``: an int tensor made from a host tuple, per
   (values, dtype, device). Kernels only read these tensors; callers must not write to them.
 
+What follows from the offsets (the lengths, the split slots: ``packed_splits``; the checks:
+``_validate.offsets_checked``) is cached by the values too, so a repeated call of many sequences
+walks them in Python no more.
+
 The kernels read their offsets from ``on_device`` copies of the very values that were validated
 (``_validate.cu_seqlens``), never from the caller's tensor: whatever happens to that tensor, a
 kernel cannot index outside its buffers.
@@ -110,13 +114,22 @@ def split_slots(lengths, split_size: int, device) -> tuple[int, torch.Tensor]:
     return offsets[-1], on_device(offsets, torch.int64, device)
 
 
-def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[list[int], int, torch.Tensor | None]:
+def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[tuple[int, ...], int, torch.Tensor | None]:
     """What a kernel wrapper needs to size and launch, from validated host offsets ``cu_host`` (None
     for a dense batch): the sequence lengths, NS, and each packed sequence's first split slot (None
     for a dense batch, whose slots follow from T)."""
     if cu_host is None:
-        return [T] * B, -(-T // split_size), None
-    lens = lengths(cu_host)
+        return (T,) * B, -(-T // split_size), None
+    return packed_splits(tuple(cu_host), split_size, device)
+
+
+@functools.lru_cache(maxsize=MAX_ENTRIES)
+def packed_splits(cu_host: tuple[int, ...], split_size: int, device) -> tuple[tuple[int, ...], int, torch.Tensor]:
+    """``splits`` of a packed batch, made once per (offsets, split size, device): by the values, so
+    never stale. A repeated call of N sequences would otherwise walk them in Python several times,
+    ~8 µs at N = 64 on this project's CPU machine, several times that on an H200's slower host
+    (figures/README.md, session 23)."""
+    lens = tuple(lengths(cu_host))
     NS, first_slots = split_slots(lens, split_size, device)
     return lens, NS, first_slots
 
@@ -182,3 +195,4 @@ def clear() -> None:
     with _lock:
         _host_cache.clear()
         _device_cache.clear()
+    packed_splits.cache_clear()

@@ -5,6 +5,7 @@ chunk and split sizes and packed-batch offsets are checked here, and inputs are 
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -130,13 +131,20 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
     if cu.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu.numel()}")
     host = _host.host_offsets(cu)
+    offsets_checked(host, T)
+    return _host.on_device(host, cu.dtype, cu.device), host, len(host) - 1
+
+
+@functools.lru_cache(maxsize=_host.MAX_ENTRIES)  # by the values: a repeated call walks no offsets (errors are not cached)
+def offsets_checked(host: tuple[int, ...], T: int) -> bool:
+    """Host offsets of a packed batch of T tokens: from 0, non-decreasing, to T (ValueError else)."""
     if host[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {host[0]}")
     if any(b < a for a, b in zip(host, host[1:])):
         raise ValueError("cu_seqlens must be non-decreasing")
     if host[-1] != T:
         raise ValueError(f"cu_seqlens must end at T={T}, got {host[-1]}")
-    return _host.on_device(host, cu.dtype, cu.device), host, len(host) - 1
+    return True
 
 
 def gates(B, T, H, K, V, g, g_gamma, gk, gv, like):

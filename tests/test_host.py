@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import chunkstate
-from chunkstate import _host, gates, launch, reference, tuning
+from chunkstate import _host, _validate, gates, launch, reference, tuning
 from chunkstate.testing import check_close, nan_poisoned_empty
 
 ON_GPU = chunkstate.DEVICE == "cuda"
@@ -120,6 +120,29 @@ def test_split_offsets_match_the_device_version(split_size, device):
     cu = _cu(lens, device)
     want = gates.prepare_chunk_offsets(cu, split_size).tolist()
     assert list(_host.split_offsets(_host.lengths(_host.host_offsets(cu)), split_size)) == want
+
+
+def test_what_follows_from_the_offsets_is_made_once_per_values(device):
+    """``splits`` of a packed batch: its lengths, NS and first split slots made once per (offsets,
+    split size, device) (``packed_splits``), equal to the dense computation's, with a tuple of
+    lengths; equal offsets in another tuple find the same entry; ``_host.clear`` forgets them. The
+    offsets' checks are cached by value too, but a bad set raises on every call."""
+    lens = [random.randint(0, 90) for _ in range(random.randint(2, 40))]
+    host = _host.host_offsets(_cu(lens, device))
+    split = random.choice([16, 64])
+    first = _host.splits(host, 1, sum(lens), split, torch.device(device))
+    assert first[0] == tuple(lens) and first[1] == sum(-(-L // split) for L in lens)
+    assert first[2].tolist() == list(_host.split_offsets(lens, split)) and first[2].device.type == torch.device(device).type
+    again = _host.splits(tuple(list(host)), 1, sum(lens), split, torch.device(device))  # equal values, another tuple
+    assert again is first
+    _host.clear()
+    assert _host.splits(host, 1, sum(lens), split, torch.device(device)) is not first
+    assert _host.splits(None, 3, 100, 64, None) == ((100, 100, 100), 2, None)  # dense: nothing cached
+    bad = (0, 5, 3, sum(lens))
+    for _ in range(2):  # never cached: every call with these offsets raises
+        with pytest.raises(ValueError, match="non-decreasing"):
+            _validate.offsets_checked(bad, sum(lens))
+    assert _validate.offsets_checked(host, sum(lens)) is True
 
 
 def _inputs(lens, K, V, device):
