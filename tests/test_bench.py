@@ -461,13 +461,9 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
         assert f"host probe ({when}, B1 T64 H1 D16): fwd one pass 1000 µs, 2 pieces 1000 µs" in out
         assert "the host's time per call, one pass / 2 pieces: fwd " in out and "fla, do_bench / host: fwd 1000 / " in out
         assert p["cache_clear_us"] is None  # the interpreter has no GPU driver, so no cache to clear
-        assert "cache clear" not in format_line(p)
+        assert "cache clear" not in runner.format_host_probe(p, when)
     monkeypatch.setattr(runner, "call", lambda *a, **k: 1 / 0)
     assert runner.host_probe(None)["error"].startswith("ZeroDivisionError")
-
-
-def format_line(probe):
-    return runner.format_host_probe(probe, "start")
 
 
 def test_the_cache_clear_is_timed_where_triton_has_a_gpu_driver(monkeypatch):
@@ -490,7 +486,7 @@ def test_the_cache_clear_is_timed_where_triton_has_a_gpu_driver(monkeypatch):
     assert runner.cache_clear_us() is None
     probe = {"shape": "B1 T4096 H2", "model_us": {d: {"pieces=1": 1, "pieces=2": 2} for d in ("fwd", "bwd")},
              **{d: {"pieces=1": 50.0, "pieces=2": 90.0} for d in ("fwd", "bwd")}, "cache_clear_us": 83.2}
-    assert format_line(probe).endswith("; do_bench's cache clear 83 µs")
+    assert runner.format_host_probe(probe, "start").endswith("; do_bench's cache clear 83 µs")
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the loop under Triton's interpreter with fake timings")

@@ -88,9 +88,8 @@ def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
     ``p80``: the medians over the rounds of each round's; ``rounds``: each round's median; ``after``:
     per round, the function timed just before it (None: first in its round); ``host_us``: the median
     over the rounds of the host's time per call (``host_time_us`` of ``ROUND_HOST_CALLS`` calls,
-    right after the round's ``do_bench``), and ``host_rounds`` each round's. Where ``host_us`` is near
-    ``ms`` (in µs) the call's time is the host's: a small call, which ``do_bench`` times back to back.
-    A function that raises is timed no more and gets ``{"error": ...}``."""
+    right after the round's ``do_bench``), and ``host_rounds`` each round's. Host time beyond what
+    ``do_bench``'s cache clear hides (``cache_clear_us``) is timed as the call's. A function that raises is timed no more and gets ``{"error": ...}``."""
     names = list(fns)
     per = {n: [] for n in names}
     host = {n: [] for n in names}
