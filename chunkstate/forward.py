@@ -288,7 +288,8 @@ def _forward_pass(k, v, g, g_gamma, gk, gv, p: launch.Problem, config, *, cu_seq
     and, given ``decay_k``, each sequence's total decay: the pieces' first pass; ``look_back``: the
     N sequences are pieces walked in one launch, and these its buffers by argument name, from
     ``pieces.run``)."""
-    narrow = _narrow_v_applies(g, g_gamma, gv) and tuning.narrow_v(tuning.launch_bucket(N, p.H, p.K, p.V))
+    narrow = _narrow_v_applies(g, g_gamma, gv) and tuning.narrow_v(
+        tuning.launch_bucket(N, p.H, p.K, p.V, tuning.sm_count(p.device)))
     args = dict(k=k, v=v, h=states, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=start, ht=end,
                 cu_seqlens=cu_seqlens, split_offsets=split_offsets, decay_k=decay_k, decay_v=decay_v,
                 T=k.shape[1], H=p.H, K=p.K, V=p.V, BT=p.BT, BS=p.BS,

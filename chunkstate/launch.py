@@ -57,6 +57,8 @@ class Problem(NamedTuple):
     cu_seqlens: torch.Tensor | None  # [N + 1] the validated offsets the kernels read (packed batches)
     split_offsets: torch.Tensor | None  # [N + 1] int64 first state slot of each packed sequence
     state_v_first: bool
+    device: int  # the CUDA index of the call's tensors (``like.get_device()``), -1 on CPU: whose SM count decides
+    # the pieces and the occupancy bucket (``tuning.sm_count``)
 
     @property
     def state(self) -> tuple[int, int]:
@@ -71,7 +73,8 @@ def problem(like: torch.Tensor, B: int, T: int, H: int, K: int, V: int, cu_seqle
     cu_seqlens, cu_host, N = _validate.cu_seqlens(cu_seqlens, B, T, like=like)
     # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
     lengths, NS, split_offsets = _host.splits(cu_host, B, T, BS, like.device)
-    return Problem(B, T, H, K, V, N, BT, BS, tuple(lengths), NS, cu_seqlens, split_offsets, state_v_first)
+    return Problem(B, T, H, K, V, N, BT, BS, tuple(lengths), NS, cu_seqlens, split_offsets, state_v_first,
+                   like.get_device())
 
 
 def check_config(config, optional: tuple[str, ...]) -> None:
@@ -117,8 +120,10 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
         tuning.ensure_allocator()
     # SMEM: the shared memory a block may use on this GPU (under a cap, if set), which tuning.prune
     # fits the candidates to; in the autotune key, so each device kind and cap is tuned apart
-    smem = tuning.device_limits(next(iter(tma_inputs.values())).device).smem  # k or q: on the kernels' device
-    keyed = dict(OCCUPANCY=tuning.launch_bucket(N, H, K, V), TMA_OK=int(tma_ok), SMEM=smem)
+    first = next(iter(tma_inputs.values()))  # k or q: on the kernels' device
+    smem = tuning.device_limits(first.device).smem
+    keyed = dict(OCCUPANCY=tuning.launch_bucket(N, H, K, V, tuning.sm_count(first.get_device())), TMA_OK=int(tma_ok),
+                 SMEM=smem)
     call_args, args = args, {**args, **keyed}
 
     def grid(meta):

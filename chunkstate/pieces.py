@@ -174,7 +174,7 @@ def choose(pieces, p: Problem, direction: str, gate: str) -> int:
     if pieces is None:
         if INTERPRET:
             return 1
-        sms = tuning.sm_count()
+        sms = tuning.sm_count(p.device)
         # auto_pieces' first rule, asked before its cache: every default call asks, and on an H200's host
         # the cached call (its key hashed from ten arguments) cost a small call ~2-5 % of its time
         # against pieces=1 (figures/README.md, "session 17")

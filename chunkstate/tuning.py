@@ -88,13 +88,22 @@ CONFIGS = [INTERPRETER_CONFIG] if INTERPRET else ALL_CONFIGS
 H200_SMS = 132  # the SM count assumed without a GPU (the interpreter): only used to bucket the key
 
 
+def sm_count(index: int | None = None) -> int:
+    """The multiprocessor count of CUDA device ``index`` (default: the current device); ``H200_SMS``
+    without a GPU and for index -1, a CPU tensor's ``get_device()`` (the interpreter's tensors
+    decide as on an H200, as ``device_limits`` does). Asked of each device once, at its first
+    launch, never at import: the wrappers ask on every call with their tensors' index
+    (``launch.Problem.device``), so that on a machine with two kinds of GPU each decides by its own."""
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    return _sm_count(index)
+
+
 @functools.lru_cache(maxsize=None)
-def sm_count() -> int:
-    """The current CUDA device's multiprocessor count (``H200_SMS`` without a GPU); asked once,
-    at the first launch, never at import."""
-    if not torch.cuda.is_available():
+def _sm_count(index: int) -> int:
+    if index < 0 or not torch.cuda.is_available():
         return H200_SMS
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclass(frozen=True)

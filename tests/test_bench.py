@@ -213,9 +213,9 @@ def test_the_default_call_chooses_as_auto_pieces(monkeypatch):
     """``pieces.choose(None, ..)`` decides a grid of half a wave or more before asking
     ``auto_pieces``' cache: the same answer as ``auto_pieces`` on every problem, dense or packed."""
     monkeypatch.setattr(pieces, "INTERPRET", False)  # as on a GPU: auto_pieces decides
-    sms = tuning.sm_count()
     rng = random.Random(17)
     like = torch.zeros(0)
+    sms = tuning.sm_count(like.get_device())  # a CPU tensor's: decided as on an H200 on any machine
     seen = set()
     for _ in range(400):
         H, K, V = rng.choice((1, 2, 3, 4, 8, 16, 48)), rng.choice((32, 64, 100, 128, 256)), rng.choice((64, 128, 256))

@@ -9,8 +9,8 @@ On CPU (no GPU needed):
   TMA loads only where the key allows them, prefetch kept from sm_80 on;
 - the replacement rule (``tuning.fit``), the H200's bf16 candidates unchanged, the autotune key's
   ``SMEM``;
-- ``tuning.device_limits`` read from a (mocked) GPU once per device, and the
-  ``CHUNKSTATE_SMEM_LIMIT`` cap.
+- ``tuning.device_limits`` and ``tuning.sm_count`` read from a (mocked) GPU once per device, the
+  pieces cut by the SM count of the call's device, and the ``CHUNKSTATE_SMEM_LIMIT`` cap.
 
 On a GPU (written for the H200; skipped on CPU): under a cap of 99 KB (sm_86 / sm_89: RTX 30xx
 and 40xx, L4) and 163 KB (sm_80: A100), with TMA loads off as on those GPUs, the forward and the
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import chunkstate  # before triton: picks the interpreter on a machine without a GPU
 import triton
-from chunkstate import backward, forward, gates, reference, tuning
+from chunkstate import backward, forward, gates, launch, pieces, reference, tuning
 from chunkstate.testing import check_close, nan_poisoned_empty, state_tolerance
 
 Device = tuning.Device
@@ -179,15 +179,16 @@ def test_the_autotune_key_holds_the_usable_shared_memory():
 def fake_gpus(monkeypatch):
     """torch.cuda answering for two GPUs: 0 an RTX 4090 (8.9, 99 KB), 1 an A100 (8.0, 163 KB)."""
     class Props:
-        def __init__(self, smem):
+        def __init__(self, smem, sms):
             self.shared_memory_per_block_optin = smem
+            self.multi_processor_count = sms
 
-    gpus = {0: ((8, 9), 99 * KB), 1: ((8, 0), 163 * KB)}
+    gpus = {0: ((8, 9), 99 * KB, 128), 1: ((8, 0), 163 * KB, 108)}
     asked = []
 
     def properties(index):
         asked.append(index)
-        return Props(gpus[index][1])
+        return Props(*gpus[index][1:])
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -195,8 +196,10 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: gpus[index or 0][0])
     monkeypatch.delenv(tuning.SMEM_LIMIT_ENV, raising=False)
     tuning._device_limits.cache_clear()
+    tuning._sm_count.cache_clear()
     yield asked
     tuning._device_limits.cache_clear()
+    tuning._sm_count.cache_clear()
 
 
 def test_device_limits_are_read_once_per_device(fake_gpus):
@@ -205,6 +208,28 @@ def test_device_limits_are_read_once_per_device(fake_gpus):
     assert tuning.device_limits(torch.device("cuda", 1)) == Device((8, 0), 163 * KB)
     assert tuning.device_limits("cpu") == tuning.H200  # the interpreter's tensors: the H200's, as sm_count
     assert sorted(fake_gpus) == [0, 1], "each device's properties are read once"
+
+
+def test_sm_counts_are_read_once_per_device(fake_gpus):
+    assert [tuning.sm_count(i) for i in (0, 1, 0, 1)] == [128, 108, 128, 108]
+    assert tuning.sm_count() == 128  # the current device, 0
+    assert tuning.sm_count(-1) == tuning.H200_SMS  # a CPU tensor's get_device(): as an H200, asking nothing
+    assert sorted(fake_gpus) == [0, 1], "each device's properties are read once"
+
+
+def test_each_device_cuts_pieces_by_its_own_sm_count(fake_gpus, monkeypatch):
+    """B1 T131072 H14 (56 programs of 64×64 tiles) is under half a wave of the RTX 4090's 128 SMs,
+    where the cost model cuts it, and over half of the A100's 108, where it is never cut: the
+    default call decides by the SM count of its tensors' device (``Problem.device``), whichever
+    device was asked first."""
+    monkeypatch.setattr(pieces, "INTERPRET", False)  # as on a GPU: auto_pieces decides
+    p = launch.problem(torch.zeros(0), 1, 131072, 14, 128, 128, None, 64, None, False)
+    assert p.device == -1  # a CPU tensor
+    on = {index: pieces.choose(None, p._replace(device=index), "fwd", "g") for index in (1, 0)}
+    assert on[1] == 1 and on[0] > 1, on
+    assert on[0] == pieces.auto_pieces(1, 14, 128, 128, 131072, 64, 128, direction="fwd", gate="g")
+    assert pieces.choose(None, p, "fwd", "g") == pieces.auto_pieces(1, 14, 128, 128, 131072, 64, tuning.H200_SMS,
+                                                                    direction="fwd", gate="g")
 
 
 def test_the_cap_lowers_but_never_raises_the_limit(fake_gpus, monkeypatch):
