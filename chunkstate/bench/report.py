@@ -159,6 +159,41 @@ def format_random_summary(report: dict) -> str:
                f"slower in {s['twins_slower']} of {s['twins']}, faster in {s['twins_faster']}"))
 
 
+BIG_FLOOR_MS = 0.1  # a call whose floor is at least this moves enough bytes that the host's time hides behind it
+
+
+def readme_random_table(reports: list[dict]) -> str:
+    """The README's summary of the random runs ``reports``, in markdown: a table over all their cases
+    compared with fla and over those with a floor of ``BIG_FLOOR_MS`` or more (how many chunkstate ran
+    at least ``WIN_AT``× as fast as fla, the geometric mean of fla / chunkstate, overall and by
+    direction, the worst case with its piece count, chunkstate's worst time over the floor), then
+    a line on auto pieces against the best explicit count (as timed, and its count judged by the
+    explicit timings: ``random_summary``'s). ``tests/test_bench.py`` checks that the README quotes
+    this for the runs it names."""
+    cases = [r for rep in reports for r in rep["cases"] if not r.get("skipped") and r.get("fla_over_ours")]
+    sums = [random_summary(rep) for rep in reports]
+    lines = ["| cases | count | chunkstate at least 0.97× fla | fla / chunkstate, geometric mean | worst "
+             "| chunkstate / floor, worst |", "|---|---|---|---|---|---|"]
+    big = [r for r in cases if r["floor_ms"] >= BIG_FLOOR_MS]
+    for label, rows in (("all", cases), (f"floor ≥ {BIG_FLOOR_MS} ms", big)):
+        g = {d: geomean(r["fla_over_ours"] for r in rows if r["direction"] == d) for d in ("fwd", "bwd")}
+        worst = min(rows, key=lambda r: r["fla_over_ours"])
+        cut = f"{worst['pieces']} pieces" if worst.get("pieces", 1) > 1 else "one pass"
+        over = max(rows, key=lambda r: r["ours"]["x_floor"])
+        lines.append(f"| {label} | {len(rows)} | {sum(r['fla_over_ours'] >= WIN_AT for r in rows)} | "
+                     f"{geomean(r['fla_over_ours'] for r in rows):.2f} (forward {_fmt(g['fwd'], '.2f')}, backward "
+                     f"{_fmt(g['bwd'], '.2f')}) | {worst['fla_over_ours']:.2f}× ({worst['case']}, {cut}) | "
+                     f"{over['ours']['x_floor']:.2f}× ({over['case']}) |")
+    total = lambda key: sum(s[key] for s in sums)  # noqa: E731
+    worst_auto = max((s["pieces_worst"] for s in sums if s["pieces_worst"]), default=None)
+    lines += ["", f"Auto pieces, where the runs also timed explicit counts (one pass under two waves of programs): "
+                  f"chunkstate's own choice within {round(100 * (PIECES_SLACK - 1))} % of the best count in "
+                  f"**{total('pieces_ok')} of {total('pieces_explored')}** cases as timed, its count in "
+                  f"{total('choice_ok')} of {total('choices_explored')} judged by the explicit timings"
+                  + ("" if worst_auto is None else f"; worst {worst_auto[0]:.2f}× ({worst_auto[1]})") + "."]
+    return "\n".join(lines)
+
+
 def format_sweep(report: dict) -> str:
     """Per swept case, its fastest configs (``*``: among those the autotuner tries)."""
     lines = []
