@@ -1273,3 +1273,33 @@ def test_readme_random_table_counts_as_the_summaries_do():
     assert lines[5] == ("Auto pieces, where the runs also timed explicit counts (one pass under two waves of programs): "
                         "chunkstate's own choice within 3 % of the best count in **1 of 2** cases as timed, its count "
                         "in 1 of 2 judged by the explicit timings; worst 1.50× (b).")
+
+
+def test_the_readme_quotes_the_fixed_suite():
+    """The README's fixed-suite summary is ``bench.readme_suite_table`` of the committed run, and its
+    words hold: every loss but the worst within 5 %, the worst the suite's smallest floor."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("**The fixed suite**"):readme.index("## Layout")]
+    report = json.loads(committed("bench_h200.json").read_text())
+    assert bench.readme_suite_table(report) in section, "regenerate it: bench.readme_suite_table(bench_h200.json)"
+    assert "The losses but one are within 5 %; the worst is the suite's smallest call" in " ".join(section.split())
+    right = [r for r in report["cases"] if r.get("fla_over_ours") and r["fla"].get("valid", True)]
+    losses = sorted(right, key=lambda r: r["fla_over_ours"])
+    assert losses[0]["fla_over_ours"] < 0.95 <= losses[1]["fla_over_ours"]
+    assert losses[0]["floor_ms"] == min(r["floor_ms"] for r in report["cases"])
+
+
+
+def test_readme_suite_table_counts_as_a_direct_count():
+    """``readme_suite_table`` on a made-up run: fla's wrong cases left out, wins at fla / ours >= 1,
+    the geometric mean and worst per direction, the losses, and the pieces' and packed ranges."""
+    def case(name, direction, ratio, floor_ms, pieces=1, lens=None, valid=True):
+        return {"case": name, "direction": direction, "fla_over_ours": ratio, "floor_ms": floor_ms,
+                "pieces": pieces, "lens": lens, "fla": {"valid": valid}}
+    report = {"cases": [case("a", "fwd", 2.0, 0.2, pieces=8), case("b", "fwd", 0.5, 0.004),
+                        case("c", "bwd", 1.0, 0.1, lens=[3, 5]), case("d", "bwd", 0.1, 0.1, valid=False)]}
+    lines = bench.readme_suite_table(report).splitlines()
+    assert lines[2:4] == ["| forward | 2 | 1 | 1.00 | 0.50× (b; floor 4 µs) |",
+                          "| backward | 1 | 1 | 1.00 | 1.00× (c; floor 100 µs) |"]
+    assert lines[5] == ("Below fla in 1 of 3: 0.50×. Cut into pieces: 2.00-2.00× fla over 1 case; packed batches: "
+                        "1.00-1.00× fla over 1 case.")

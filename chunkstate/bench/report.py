@@ -194,6 +194,33 @@ def readme_random_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def readme_suite_table(report: dict) -> str:
+    """The README's summary of a fixed-suite run ``report``, in markdown: per direction, over the cases
+    where fla's result is right, how many chunkstate ran at least as fast as fla, the geometric mean
+    of fla / chunkstate and the worst case (with its floor); then fla / chunkstate's range over the
+    cases cut into pieces and over the packed batches. ``tests/test_bench.py`` checks that the README
+    quotes this for the committed run."""
+    cases = [r for r in report["cases"] if r.get("fla_over_ours") and (r.get("fla") or {}).get("valid", True)]
+    lines = ["| direction | cases (fla right) | chunkstate at least as fast | fla / chunkstate, geometric mean "
+             "| worst |", "|---|---|---|---|---|"]
+    for direction, name in (("fwd", "forward"), ("bwd", "backward")):
+        rows = [r for r in cases if r["direction"] == direction]
+        worst = min(rows, key=lambda r: r["fla_over_ours"])
+        lines.append(f"| {name} | {len(rows)} | {sum(r['fla_over_ours'] >= 1 for r in rows)} | "
+                     f"{geomean(r['fla_over_ours'] for r in rows):.2f} | {worst['fla_over_ours']:.2f}× "
+                     f"({worst['case']}; floor {worst['floor_ms'] * 1e3:.0f} µs) |")
+
+    def span(rows):
+        ratios = [r["fla_over_ours"] for r in rows]
+        n = len(ratios)
+        return f"{min(ratios):.2f}-{max(ratios):.2f}× fla over {n} case{'s' * (n != 1)}" if ratios else "none"
+    below = sorted(r["fla_over_ours"] for r in cases if r["fla_over_ours"] < 1)
+    lines += ["", f"Below fla in {len(below)} of {len(cases)}: " + ", ".join(f"{x:.2f}×" for x in below)
+              + f". Cut into pieces: {span([r for r in cases if r.get('pieces', 1) > 1])}; packed batches: "
+              f"{span([r for r in cases if r.get('lens')])}."]
+    return "\n".join(lines)
+
+
 def format_sweep(report: dict) -> str:
     """Per swept case, its fastest configs (``*``: among those the autotuner tries)."""
     lines = []
