@@ -599,3 +599,14 @@ def test_current_device_and_stream_are_torchs():
     with torch.cuda.stream(side):
         assert _host.current_raw_stream(index) == side.cuda_stream != torch.cuda.default_stream(index).cuda_stream
     assert _host.current_raw_stream(index) == torch.cuda.current_stream(index).cuda_stream
+
+
+@pytest.mark.gpu(reason="a CUDA tensor's device and SM count")
+def test_a_call_decides_by_its_tensors_device():
+    """A call's ``Problem`` holds its tensors' CUDA index, and ``tuning.sm_count`` of it is that GPU's
+    multiprocessor count (the current device's, as the wrappers make it current)."""
+    k = torch.zeros(1, 8, 1, 16, device="cuda")
+    p = launch.problem(k, 1, 8, 1, 16, 16, None, 64, None, False)
+    assert p.device == k.get_device() == torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(p.device).multi_processor_count
+    assert tuning.sm_count(p.device) == tuning.sm_count() == sms
