@@ -85,7 +85,7 @@ INTERPRETER_CONFIG = _config(64, 64, 4, 1)
 CONFIGS = [INTERPRETER_CONFIG] if INTERPRET else ALL_CONFIGS
 
 
-H200_SMS = 132  # the SM count assumed without a GPU (the interpreter): only used to bucket the key
+H200_SMS = 132  # the SM count assumed without a GPU and for CPU tensors (the interpreter's): buckets and pieces
 
 
 def sm_count(index: int | None = None) -> int:
