@@ -135,7 +135,8 @@ def cu_seqlens(cu, B: int, T: int, like: torch.Tensor):
     return _host.on_device(host, cu.dtype, cu.device), host, len(host) - 1
 
 
-@functools.lru_cache(maxsize=_host.MAX_ENTRIES)  # by the values: a repeated call walks no offsets (errors are not cached)
+# by the values: a repeated call walks no offsets (errors are not cached)
+@functools.lru_cache(maxsize=_host.MAX_ENTRIES)
 def offsets_checked(host: tuple[int, ...], T: int) -> bool:
     """Host offsets of a packed batch of T tokens: from 0, non-decreasing, to T (ValueError else)."""
     if host[0] != 0:

@@ -23,9 +23,8 @@ its own (in reverse: after it) as step 2's scan would, in the scan's order and a
 program publishes before it waits, and waits only on programs that took earlier tickets, so have
 started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions``,
 ``publish_contribution``). As three launches a call in pieces cost an H200's host 90-320 µs
-whatever its size; as one, 37-68 µs against one pass's 29-59 (figures/README.md, session 19), and
-on a slower H200 host 95-118 µs against 69-80 (session 23). A
-batch with an empty sequence, which owns no piece and so no program to store its end state, takes
+whatever its size; as one, about 10-40 µs more than one pass (figures/README.md, sessions 19 and
+23). A batch with an empty sequence, which owns no piece and so no program to store its end state, takes
 the three launches. The pieces pay only for long sequences far below one wave of programs:
 ``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``), and
 ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).

@@ -132,7 +132,8 @@ def test_what_follows_from_the_offsets_is_made_once_per_values(device):
     split = random.choice([16, 64])
     first = _host.splits(host, 1, sum(lens), split, torch.device(device))
     assert first[0] == tuple(lens) and first[1] == sum(-(-L // split) for L in lens)
-    assert first[2].tolist() == list(_host.split_offsets(lens, split)) and first[2].device.type == torch.device(device).type
+    assert first[2].tolist() == list(_host.split_offsets(lens, split))
+    assert first[2].device.type == torch.device(device).type
     again = _host.splits(tuple(list(host)), 1, sum(lens), split, torch.device(device))  # equal values, another tuple
     assert again is first
     _host.clear()

@@ -89,7 +89,8 @@ def interleaved(fns: dict, rounds: int = ROUNDS, seed: str = "") -> dict:
     per round, the function timed just before it (None: first in its round); ``host_us``: the median
     over the rounds of the host's time per call (``host_time_us`` of ``ROUND_HOST_CALLS`` calls,
     right after the round's ``do_bench``), and ``host_rounds`` each round's. Host time beyond what
-    ``do_bench``'s cache clear hides (``cache_clear_us``) is timed as the call's. A function that raises is timed no more and gets ``{"error": ...}``."""
+    ``do_bench``'s cache clear hides (``cache_clear_us``) is timed as the call's. A function that
+    raises is timed no more and gets ``{"error": ...}``."""
     names = list(fns)
     per = {n: [] for n in names}
     host = {n: [] for n in names}
