@@ -204,9 +204,10 @@ def direct_key(kernel, args: dict, N: int, config=None) -> tuple | None:
     return (id(plan), N, _host.current_device(), os.environ.get(tuning.SMEM_LIMIT_ENV),
             None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages),
             constants(args),
-            # tensors, None, or a scalar Triton specialises on its value
-            tuple([(x.dtype, x.data_ptr() % 16 == 0, x.is_contiguous()) if isinstance(x, torch.Tensor) else x
-                   for x in tensors(args)]),
+            # tensors, None, or a scalar Triton specialises on its value (None asked first: most of a
+            # launch's optional tensors are None, and isinstance of a non-tensor is the slow answer)
+            tuple([x if x is None else (x.dtype, x.data_ptr() % 16 == 0, x.is_contiguous())
+                   if isinstance(x, torch.Tensor) else x for x in tensors(args)]),
             # scalars never specialised: an int by whether it fits in 32 bits, a float by its type
             tuple([type(x) is float or -2 ** 31 <= x < 2 ** 31 for x in widths(args)]))
 
