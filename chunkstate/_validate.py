@@ -208,13 +208,15 @@ def positive_int(name: str, x) -> int:
 
 
 WARPS = (1, 2, 4, 8, 16, 32)
+MIN_REGISTERS, MAX_REGISTERS = 16, 255  # what an explicit config's maxnreg may cap a thread's registers at
 
 
 def config_values(config, flags: tuple[str, ...]) -> None:
     """The values of an explicit ``triton.Config`` that ``launch.check_config`` leaves to Triton: its
     ``flags`` keys (``USE_TMA``, ``NARROW_V``) bools when given, never a truthy string or number, and
     ``num_warps`` / ``num_stages`` Python ints Triton compiles (a bad one fails deep in its compiler
-    on a GPU, and is ignored by the interpreter)."""
+    on a GPU, and is ignored by the interpreter), ``maxnreg`` None or a register count ptxas can
+    cap a thread at, and ``num_ctas`` 1."""
     if config is None:
         return
     for name in flags:
@@ -227,6 +229,13 @@ def config_values(config, flags: tuple[str, ...]) -> None:
     stages = config.num_stages
     if type(stages) is not int or stages < 0:
         raise ValueError(f"config's num_stages must be an int >= 0, got {stages!r}" + python_int_hint(stages))
+    maxnreg = getattr(config, "maxnreg", None)
+    if maxnreg is not None and (type(maxnreg) is not int or not MIN_REGISTERS <= maxnreg <= MAX_REGISTERS):
+        raise ValueError(f"config's maxnreg must be None or an int from {MIN_REGISTERS} to {MAX_REGISTERS} (the "
+                         f"registers a thread may use), got {maxnreg!r}" + python_int_hint(maxnreg))
+    if getattr(config, "num_ctas", 1) != 1:
+        raise ValueError(f"config's num_ctas must be 1 (each program of these kernels is one block), got "
+                         f"{config.num_ctas!r}")
 
 
 def python_int_hint(x) -> str:

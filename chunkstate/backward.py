@@ -243,9 +243,9 @@ def chunk_bwd_dh(
         pieces: cut each sequence into this many pieces run in parallel (``chunkstate.pieces``);
             None (default) decides from the occupancy (only far below one wave of programs),
             1 never splits. The result is the same up to rounding.
-        config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
-            tiles through TMA descriptors, ValueError where the inputs do not allow it) instead of
-            autotuning.
+        config: run one explicit ``triton.Config`` (BK, BV, warps, stages, ``maxnreg`` if set: a cap on
+            a thread's registers; ``USE_TMA``: load the tiles through TMA descriptors, ValueError where
+            the inputs do not allow it) instead of autotuning.
     Returns:
         dh: [B, NS, H, K, V], ``dh[:, s]`` the gradient w.r.t. the state *leaving* split s (after
             its last token), counting the outputs after split s and ``dht``; summed over the HQ / H

@@ -226,11 +226,11 @@ def chunk_fwd_h(
         pieces: cut each sequence into this many pieces run in parallel (``chunkstate.pieces``);
             None (default) decides from the occupancy (only far below one wave of programs),
             1 never splits. The result is the same up to rounding.
-        config: run one explicit ``triton.Config`` (BK, BV, warps, stages, and ``USE_TMA``: load the
-            tiles through TMA descriptors, ValueError where the inputs do not allow it; ``NARROW_V``:
-            scale v by its scalar gate, ``g`` or ``g_gamma``, in v's own dtype or in fp32, the same
-            numbers either way, by default as ``tuning.narrow_v`` decides; ValueError unless one of
-            them is the only gate on v) instead of autotuning.
+        config: run one explicit ``triton.Config`` (BK, BV, warps, stages, ``maxnreg`` if set: a cap on
+            a thread's registers; ``USE_TMA``: load the tiles through TMA descriptors, ValueError where
+            the inputs do not allow it; ``NARROW_V``: scale v by its scalar gate, ``g`` or ``g_gamma``,
+            in v's own dtype or in fp32, the same numbers either way, by default as ``tuning.narrow_v``
+            decides; ValueError unless one of them is the only gate on v) instead of autotuning.
     Returns:
         h: [B, NS, H, K, V], ``h[:, s]`` the state entering split s (NS = ceil(T / BS); packed:
             [1, Σ_n ceil(L_n / BS), H, K, V], empty sequences owning no split);

@@ -95,6 +95,15 @@ def check_config(config, optional: tuple[str, ...]) -> None:
                              + _validate.python_int_hint(tile))
 
 
+def explicit_options(config) -> dict:
+    """The compile options an explicit ``triton.Config`` sets beside its keywords: its warps and
+    stages, and ``maxnreg`` (a cap on the registers a thread may use) where it sets one."""
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if getattr(config, "maxnreg", None) is not None:
+        options["maxnreg"] = config.maxnreg
+    return options
+
+
 def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tma_inputs: dict) -> None:
     """Launch ``kernel`` (``tuned``: its autotuner) with ``args`` over N·H (sequence, head) pairs,
     each cut into [BK, BV] state tiles; ``config``: run that ``triton.Config`` instead of
@@ -141,8 +150,7 @@ def run(tuned, kernel, args: dict, *, N: int, H: int, K: int, V: int, config, tm
                 compiled = kernel[grid](**args, **chosen.all_kwargs())
         else:
             tune_key, chosen = None, config
-            compiled = kernel[grid](**{**args, **config.kwargs}, num_warps=config.num_warps,
-                                    num_stages=config.num_stages)
+            compiled = kernel[grid](**{**args, **config.kwargs}, **explicit_options(config))
         if key is not None and chosen is not None:
             remember_direct(key, kernel, compiled, call_args, {**keyed, **chosen.kwargs}, grid(chosen.kwargs),
                             tuned=tuned if config is None else None, tune_key=tune_key, chosen=chosen)
@@ -202,7 +210,7 @@ def direct_key(kernel, args: dict, N: int, config=None) -> tuple | None:
         plan = _plans[id(kernel), names] = _key_plan(kernel, names)
     constants, tensors, widths = plan
     return (id(plan), N, _host.current_device(), os.environ.get(tuning.SMEM_LIMIT_ENV),
-            None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages),
+            None if config is None else (tuple(sorted(config.kwargs.items())), *explicit_options(config).values()),
             constants(args),
             # tensors, None, or a scalar Triton specialises on its value (None asked first: most of a
             # launch's optional tensors are None, and isinstance of a non-tensor is the slow answer)

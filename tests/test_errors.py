@@ -248,8 +248,14 @@ def test_split_size_below_2_to_the_31(ok):
     (triton.Config({"BK": 32, "BV": 32}, num_stages=-1), ValueError, r"config's num_stages must be an int >= 0"),
     (triton.Config({"BK": 32, "BV": 32}, num_warps=np.int64(4)), ValueError, r"num_warps .* \(a Python int: int\("),
     (triton.Config({"BK": np.int64(32), "BV": 32}), ValueError, r"config's BK .* \(a Python int: int\("),
+    (triton.Config({"BK": 32, "BV": 32}, maxnreg=8), ValueError, r"config's maxnreg must be None or an int from 16 to 255"),
+    (triton.Config({"BK": 32, "BV": 32}, maxnreg=256), ValueError, r"config's maxnreg must be None or an int from 16"),
+    (triton.Config({"BK": 32, "BV": 32}, maxnreg=96.0), ValueError, r"config's maxnreg must be .*, got 96\.0"),
+    (triton.Config({"BK": 32, "BV": 32}, maxnreg=np.int64(96)), ValueError, r"maxnreg .* \(a Python int: int\("),
+    (triton.Config({"BK": 32, "BV": 32}, num_ctas=2), ValueError, r"config's num_ctas must be 1"),
 ], ids=["dict", "str", "BK0", "BK48", "BV256", "BK-float", "no-BK", "BT", "misspelt", "tma-str", "tma-int",
-        "narrow-int", "warps3", "warps0", "stages-negative", "warps-numpy", "BK-numpy"])
+        "narrow-int", "warps3", "warps0", "stages-negative", "warps-numpy", "BK-numpy", "maxnreg8", "maxnreg256",
+        "maxnreg-float", "maxnreg-numpy", "ctas2"])
 def test_malformed_configs(ok, config, exc, match):
     with pytest.raises(exc, match=match):
         chunkstate.chunk_fwd_h(**ok, config=config)
@@ -260,7 +266,8 @@ def test_malformed_configs(ok, config, exc, match):
     (triton.Config({"BK": 16, "BV": 16}, num_warps=6), ValueError, r"config's num_warps must be"),
     (triton.Config({"BK": 16, "BV": 16, "NARROW_V": True}), ValueError,
      r"config has keys \['NARROW_V'\] this kernel does not take; it takes BK, BV, USE_TMA"),
-], ids=["tma-str", "warps6", "narrow-v"])
+    (triton.Config({"BK": 16, "BV": 16}, maxnreg=300), ValueError, r"config's maxnreg must be None or an int"),
+], ids=["tma-str", "warps6", "narrow-v", "maxnreg300"])
 def test_backward_config_values(device, config, exc, match):
     q, k = torch.randn(1, 20, 2, 16, device=device), torch.randn(1, 20, 2, 16, device=device)
     with pytest.raises(exc, match=match):

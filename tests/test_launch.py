@@ -114,6 +114,65 @@ def test_the_direct_key_separates_what_triton_tells_apart(monkeypatch):
     assert len(keys) >= len(specs)
 
 
+def test_an_explicit_configs_options_are_in_the_direct_key(monkeypatch):
+    """Two explicit configs that differ only in their compile options (warps, stages, a register cap
+    ``maxnreg``) compile two kernels, so they never share a direct launch; the options handed to
+    Triton are the config's."""
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch._host, "current_device", lambda: 0)
+    kernel = _compiled_twin(forward.chunk_fwd_kernel_h)
+    launches = _recorded_launches(monkeypatch)
+    _, args, N = launches[0]
+    configs = [triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
+               triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2, maxnreg=96),
+               triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2, maxnreg=80),
+               triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=3),
+               triton.Config({"BK": 32, "BV": 32}, num_warps=8, num_stages=2)]
+    keys = [launch.direct_key(kernel, args, N, c) for c in configs]
+    assert len(set(keys)) == len(configs)
+    assert launch.direct_key(kernel, args, N, triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2,
+                                                            maxnreg=96)) == keys[1]
+    assert launch.explicit_options(configs[0]) == dict(num_warps=4, num_stages=2)
+    assert launch.explicit_options(configs[1]) == dict(num_warps=4, num_stages=2, maxnreg=96)
+
+
+def test_a_config_with_a_register_cap_gives_the_same_states(device):
+    """``maxnreg`` caps the registers a thread may use and changes nothing computed (on a GPU the
+    compiler spills instead; the interpreter has no registers to cap)."""
+    k, v = torch.randn(1, 70, 2, 32, device=device), torch.randn(1, 70, 2, 24, device=device)
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(1, 70, 2, device=device)), 16)
+    out = {}
+    for cap in (None, 32):
+        config = triton.Config({"BK": 16, "BV": 16}, num_warps=4, num_stages=2, maxnreg=cap)
+        with nan_poisoned_empty():
+            out[cap] = chunkstate.chunk_fwd_h(k, v, g=g, chunk_size=16, output_final_state=True, config=config)
+    tol = 1e-6 if chunkstate.INTERPRET else 2e-3
+    for a, b, name in zip(out[None], out[32], ("h", "ht")):
+        check_close(b, a, f"{name} with maxnreg=32", tol)
+
+
+@pytest.mark.gpu(reason="registers are the compiler's: compiled kernels only")
+def test_an_explicit_register_cap_is_compiled_in():
+    """An explicit config's ``maxnreg`` reaches the compiler: the kernel it launches uses at most that
+    many registers a thread, and its states equal the uncapped kernel's."""
+    if not launch.DIRECT:
+        pytest.skip(f"direct launches are off on Triton {triton.__version__}: the compiled kernel is not kept")
+    B, T, H, K, V = 2, 700, 4, 128, 128
+    k = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device="cuda")), 64)
+    states, regs = {}, {}
+    for cap in (None, 80):
+        config = triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2, maxnreg=cap)
+        launch.clear_direct()  # then the one launch remembered is this call's
+        states[cap] = chunkstate.chunk_fwd_h(k, v, g=g, output_final_state=True, config=config, pieces=1)
+        [entry] = launch._direct.values()
+        regs[cap] = entry.compiled.n_regs
+    assert regs[80] <= 80, regs
+    for a, b, name in zip(states[None], states[80], ("h", "ht")):
+        check_close(b.float(), a.float(), f"{name} with maxnreg=80", 1e-2)
+
+
 def test_no_direct_launches_under_the_interpreter():
     """The interpreter runs every launch through Triton (``direct_key`` gives None)."""
     if ON_GPU:
