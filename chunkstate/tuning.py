@@ -70,9 +70,10 @@ POINTER_CONFIGS = [_config(BK, BV, w, s)
                    and (s < 5 or (w >= 4 and BK <= 64 and BV <= 64))]
 
 # Tiles loaded by the Tensor Memory Accelerator (Hopper's TMA, through ``tl.make_tensor_descriptor``):
-# the copy engine writes them into shared memory, so a program holds no per-element pointers and
-# masks (compiled for sm_90, the pointer configs at 64×64 use all 255 registers and spill with a
-# key gate; these use 80-150 registers and spill nothing), and deeper prefetch is cheap.
+# the copy engine writes them into shared memory, one request a tile instead of per-element
+# pointers and masks. Below a full wave, with a key or value gate, they were measured faster
+# (figures/README.md, 2026-12-03). Not by registers: compiled for sm_90 with 16-byte-aligned
+# inputs, as launches are, neither kind spills (figures/README.md, session 25).
 TMA_CONFIGS = [_config(BK, BV, w, s, True) for BK, BV, w, s in (
     (32, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 3),
     (128, 64, 8, 3))]
@@ -261,7 +262,7 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
 
     With a vector gate and TMA: TMA configs and one pointer config. Without TMA (before sm_90, or
     inputs a descriptor cannot read) a vector gate takes the scalar gates' lists below. Below a full wave the TMA loads
-    win (the pointer configs spill there); from a full wave on they tie with the best pointer
+    win; from a full wave on they tie with the best pointer
     config, which stays in the list. With scalar gates the pointer configs tie with TMA or win,
     except between an eighth and a quarter of a wave. Deeper TMA pipelines (6 stages) do not fit
     the 227 KB of shared memory once gk and gv are both given. A TMA candidate for scalar gates
