@@ -15,7 +15,8 @@ keeps an explicitly set value).
 Each compiled job checks: it compiles; ``tuning.shared_memory`` is at least ``metadata.shared``
 and not far above it (``FlagSet.slack`` times it plus ``SLACK_BYTES``); and a candidate (a config
 ``tuning.prune`` returns for that target's ``tuning.Device``: its compute capability and shared
-memory) fits the target.
+memory) fits the target. The bytes ptxas spilled are read from each cubin (``spilled_bytes``), and
+the sm_90 candidates of one gate and 4 or more warps must spill none.
 
 What is compiled (about 2 s per config on one core, up to ~15 s for 64×128 tiles at 4 stages):
 
@@ -147,6 +148,12 @@ FORWARD = KernelSpec("forward", "chunkstate.forward", "chunk_fwd_kernel_h", (
         T=4096, OCCUPANCY=1, TMA_OK=1, SMEM=0, H=4, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=True,
         USE_GK=True, USE_GV=True, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True,
         STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False), with_candidates=True, buckets=(0, 1)),
+    FlagSet("bf16-dense-gk-ht", dict(  # the key gate alone: every candidate (chapter 11: none spills)
+        k=ptr("bf16"), v=ptr("bf16"), h=ptr("bf16"), **dict(_NO_GATES, gk=ptr("fp32")), h0=None, ht=ptr("fp32"),
+        cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
+        H=32, K=128, V=128, BT=64, BS=64, USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False,
+        USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, IS_VARLEN=False, STATE_V_FIRST=False,
+        STORE_STATES=True, STORE_DECAY=False), with_candidates=True),
     FlagSet("fp32-dense-gk-bt128", dict(  # fp32 inputs, long chunks: the most shared memory per stage
         k=ptr("fp32"), v=ptr("fp32"), h=ptr("fp32"), **dict(_NO_GATES, gk=ptr("fp32")), h0=None, ht=ptr("fp32"),
         cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, T=4096, OCCUPANCY=2, TMA_OK=1, SMEM=0,
@@ -163,6 +170,12 @@ BACKWARD = KernelSpec("backward", "chunkstate.backward", "chunk_bwd_kernel_dh", 
         USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=False,
         STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False),
         slack=3.5),  # with GQA and a vector gate only q and do are buffered: the estimate is up to 3.3x high
+    FlagSet("bf16-dense-g-dht-dh0", dict(  # the scalar gate alone, from a quarter wave on
+        q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32")), dht=ptr("fp32"),
+        dh0=ptr("fp32"), cu_seqlens=None, split_offsets=None, decay_k=None, decay_v=None, **_NO_LOOK_BACK, scale=0.088,
+        T=4096, OCCUPANCY=3, TMA_OK=1, SMEM=0, H=32, NG=1, K=128, V=128, BT=64, BS=64, USE_G=True, USE_G_GAMMA=False,
+        USE_GK=False, USE_GV=False, USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True, IS_VARLEN=False,
+        STATE_V_FIRST=False, STORE_STATES=True, STORE_DECAY=False), with_candidates=True, buckets=(2, 3, 4)),
     FlagSet("bf16-pieces-one-launch-g-gv-dht-dh0", dict(  # pieces in one launch (pieces.run): look-back
         q=ptr("bf16"), do=ptr("bf16"), dh=ptr("bf16"), **dict(_NO_GATES, g=ptr("fp32"), gv=ptr("fp32")),
         dht=ptr("fp32"), dh0=ptr("fp32"), cu_seqlens=ptr("i32"), split_offsets=ptr("i64"), decay_k=ptr("fp32"),
@@ -348,10 +361,29 @@ def compile_one(target: str, kernel: str, flag_set: str, key: tuple, asm: str | 
                                   options=dict(num_warps=warps, num_stages=stages))
     except Exception:  # noqa: BLE001  (report the compiler's own message)
         return {"error": traceback.format_exc(limit=3)[-3000:]}
-    out = {"shared": int(compiled.metadata.shared), "seconds": time.perf_counter() - t0}
+    out = {"shared": int(compiled.metadata.shared), "seconds": time.perf_counter() - t0,
+           "spilled": spilled_bytes(compiled.asm.get("cubin"))}
     if asm:
         out[asm] = compiled.asm[asm]
     return out
+
+
+def spilled_bytes(cubin: bytes | None) -> int | None:
+    """The bytes a thread keeps on its stack or in local memory: what ptxas spilled, read from the
+    cubin by the ``cuobjdump`` that ships with Triton (``-res-usage``'s STACK and LOCAL); None where
+    it cannot be read."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return None
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = [re.search(rf"{name}:(\d+)", usage) for name in ("STACK", "LOCAL")]
+    return sum(int(m.group(1)) for m in found) if all(found) else None
 
 
 def _worker_main() -> None:
@@ -422,6 +454,7 @@ def test_compiles_and_fits(job, compiled, record_property):
     record_property("triton", r.get("triton"))  # the compiling Triton (CHUNKSTATE_COMPILE_PYTHON)
     record_property("shared_bytes", shared)  # in --junitxml reports
     record_property("estimated_bytes", bound)
+    record_property("spilled_bytes", r.get("spilled"))
     assert 0 < shared <= bound, (f"{_job_id(job)} uses {shared} B of shared memory, more than "
                                  f"tuning.shared_memory's {bound} B: the estimate must bound it")
     slack = next(f.slack for s in KERNELS for f in s.flag_sets if f.name == fs)
@@ -431,6 +464,29 @@ def test_compiles_and_fits(job, compiled, record_property):
     if why == "candidate":  # the autotuner tries it on this target: it must fit there
         limit = tuning.TARGETS[target].smem
         assert bound <= limit, f"{_job_id(job)}: a candidate estimated at {bound} B; {target} has {limit} B"
+
+
+def test_one_gate_candidates_spill_nothing_on_hopper(compiled):
+    """Every sm_90 candidate of four or more warps of a flag set with one gate (the usual call: g or
+    gk alone) keeps its values in registers: ptxas spills nothing to the stack or local memory, read
+    from the cubin (``spilled_bytes``). A spill would sit in the chunk loop, the one serial chain a
+    program has (chapter 11, section 7). Not held to it: calls with several gates at once, which may
+    spill a little at some tiles, and 2 warps, where a 64×64 fp32 state alone is 64 registers a
+    thread (Triton 3.9 spills 16 bytes there with ``gk``; 3.6, which the H200 runs, none)."""
+    checked, spilled = 0, []
+    for target, kernel, fs, key, why in JOBS:
+        spec = next(s for s in KERNELS if s.name == kernel)
+        args = next(f for f in spec.flag_sets if f.name == fs).args
+        gates = sum(bool(args.get(name)) for name in ("USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV"))
+        r = compiled[(target, kernel, fs, key)]
+        if target != MAIN_TARGET or why != "candidate" or gates != 1 or key[2] < 4 or r.get("spilled") is None:
+            continue
+        checked += 1
+        if r["spilled"]:
+            spilled.append(f"{_job_id((target, kernel, fs, key, why))}: {r['spilled']} B")
+    if not checked:
+        pytest.skip("no cubin's resource usage could be read (Triton without cuobjdump?)")
+    assert not spilled, f"{len(spilled)} of {checked} one-gate sm_90 candidates spill: {spilled}"
 
 
 def test_bf16_dots_below_sm80_compile_to_fp32_fmas():
