@@ -73,7 +73,8 @@ POINTER_CONFIGS = [_config(BK, BV, w, s)
 # the copy engine writes them into shared memory, one request a tile instead of per-element
 # pointers and masks. Below a full wave, with a key or value gate, they were measured faster
 # (figures/README.md, 2026-12-03). Not by registers: compiled for sm_90 with 16-byte-aligned
-# inputs, as launches are, neither kind spills (figures/README.md, session 25).
+# inputs, as launches are, neither kind spills with one gate (figures/README.md, session 25;
+# tests/test_compile.py checks the candidates).
 TMA_CONFIGS = [_config(BK, BV, w, s, True) for BK, BV, w, s in (
     (32, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 3),
     (128, 64, 8, 3))]
