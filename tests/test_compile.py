@@ -50,8 +50,10 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -375,9 +377,6 @@ def spilled_bytes(cubin: bytes | None) -> int | None:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not cubin or not os.path.exists(tool):
         return None
-    import re
-    import tempfile
-
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
