@@ -262,9 +262,9 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     chunkstate's 3 stages on random shapes.
 
     With a vector gate and TMA: TMA configs and one pointer config. Without TMA (before sm_90, or
-    inputs a descriptor cannot read) a vector gate takes the scalar gates' lists below. Below a full wave the TMA loads
-    win; from a full wave on they tie with the best pointer
-    config, which stays in the list. With scalar gates the pointer configs tie with TMA or win,
+    inputs a descriptor cannot read) a vector gate takes the scalar gates' lists below. Below a full
+    wave the TMA loads win; from a full wave on they tie with the best pointer config, which stays in
+    the list. With scalar gates the pointer configs tie with TMA or win,
     except between an eighth and a quarter of a wave. Deeper TMA pipelines (6 stages) do not fit
     the 227 KB of shared memory once gk and gv are both given. A TMA candidate for scalar gates
     around one wave won at some shapes of bucket 2 and lost at others, and shapes of one bucket

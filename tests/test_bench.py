@@ -1290,7 +1290,6 @@ def test_the_readme_quotes_the_fixed_suite():
     assert losses[0]["floor_ms"] == min(r["floor_ms"] for r in report["cases"])
 
 
-
 def test_readme_suite_table_counts_as_a_direct_count():
     """``readme_suite_table`` on a made-up run: fla's wrong cases left out, wins at fla / ours >= 1,
     the geometric mean and worst per direction, the losses, and the pieces' and packed ranges."""
