@@ -7,7 +7,8 @@ This reads every notebook (its code cells as one program) and every Python file 
 and of tests/, and checks, without running them:
 
 1. **names**: every name read is bound somewhere in the program (an assignment, an import, a
-   ``def``, a loop or ``with`` target, ...) or is a builtin;
+   ``def``, a loop or ``with`` target, ...) or is a builtin; in a notebook, a name a cell's own
+   code reads (not a function body's, which may run later) is bound by that cell or one above it;
 2. **chunkstate attributes**: ``module.name`` on a chunkstate module, read or assigned, is a name
    that module has (assigning a misspelt module flag creates a new attribute and changes nothing);
 3. **calls**: a call of a chunkstate function or class, or of a function the notebook defines,
@@ -93,6 +94,37 @@ def unbound_names(source: str, filename: str) -> list[str]:
 
     walk(top, "top level")
     return sorted(set(missing))
+
+
+def notebook_cells(path: Path) -> dict[int, str]:
+    """A notebook's code cells by their index among all its cells, magics blanked as ``notebook_source`` does."""
+    nb = nbformat.read(path, as_version=4)
+    return {i: "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+            for i, cell in enumerate(nb.cells) if cell.cell_type == "code"}
+
+
+COMPREHENSIONS = {"listcomp", "setcomp", "dictcomp", "genexpr"}
+
+
+def read_before_bound(cells: dict[int, str]) -> list[str]:
+    """Names a cell reads at its top level (comprehensions included, not function bodies, which
+    may run later) that no cell up to and including it binds, as 'name (cell i)': run top to
+    bottom, as a reader and nbval run a notebook, the cell raises NameError (``unbound_names``
+    asks only whether a name is bound anywhere)."""
+    known = set(dir(builtins)) | IPYTHON_NAMES | MODULE_NAMES
+    late = []
+    for i, cell in cells.items():
+        top = symtable.symtable(cell, f"cell {i}", "exec")
+        known |= {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
+                  or s.is_namespace()}
+        reads = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+        tables = [t for t in top.get_children() if t.get_name() in COMPREHENSIONS]
+        while tables:
+            table = tables.pop()
+            reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()}
+            tables += [t for t in table.get_children() if t.get_name() in COMPREHENSIONS]
+        late += [f"{name} (cell {i})" for name in sorted(reads - known)]
+    return late
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +421,12 @@ def test_every_name_is_bound(path):
     assert not missing, f"{path.relative_to(ROOT)} reads names bound nowhere: {missing}"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(p.relative_to(ROOT)) for p in NOTEBOOKS])
+def test_no_cell_reads_a_name_before_a_cell_binds_it(path):
+    late = read_before_bound(notebook_cells(path))
+    assert not late, f"{path.relative_to(ROOT)} reads names before any cell up to there binds them: {late}"
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=IDS)
 def test_chunkstate_names_and_calls_exist(path):
     mod = module_name(path)
@@ -428,6 +466,11 @@ if ON_GPU:
 def test_the_checks_catch_what_they_are_for():
     """Each kind of rot, in a branch that never runs: every one is reported (else the tests above pass vacuously)."""
     assert unbound_names(FAULTY, "faulty") == ["never_bound (top level)"]
+    # bound, but only by a later cell (chapter 11's cache-clear cell read triton before section 7 imported it)
+    late = {0: "import torch\nif torch.cuda.is_available():\n    print(triton.__version__, [n for n in names])",
+            1: "import triton\nnames = [x for x in dir(triton)]\ndef f():\n    return later",
+            2: "later = 1"}
+    assert read_before_bound(late) == ["names (cell 0)", "triton (cell 0)"]
     problems = "\n".join(chunkstate_problems(FAULTY, "faulty", None))
     for expected in ("runner.Librarie: module chunkstate.bench.runner has no attribute Librarie",
                      "launch.DIRCT: module chunkstate.launch has no attribute DIRCT",
