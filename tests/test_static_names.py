@@ -45,16 +45,17 @@ MODULE_NAMES = {"__file__", "__name__", "__doc__", "__spec__", "__path__", "__pa
                 "__loader__", "__annotations__", "__dict__", "__class__"}
 
 
-def notebook_source(path: Path) -> str:
-    """A notebook's code cells as one program; IPython's ``%magic`` and ``!shell`` lines blanked."""
+def notebook_cells(path: Path) -> dict[int, str]:
+    """A notebook's code cells by their index among all its cells; IPython's ``%magic`` and
+    ``!shell`` lines blanked."""
     nb = nbformat.read(path, as_version=4)
-    cells = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines()]
-        cells.append(f"# cell {i}\n" + "\n".join(lines))
-    return "\n\n".join(cells) + "\n"
+    return {i: "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+            for i, cell in enumerate(nb.cells) if cell.cell_type == "code"}
+
+
+def notebook_source(path: Path) -> str:
+    """A notebook's code cells as one program (``notebook_cells``, each headed by its index)."""
+    return "\n\n".join(f"# cell {i}\n{source}" for i, source in notebook_cells(path).items()) + "\n"
 
 
 def module_name(path: Path) -> str | None:
@@ -94,13 +95,6 @@ def unbound_names(source: str, filename: str) -> list[str]:
 
     walk(top, "top level")
     return sorted(set(missing))
-
-
-def notebook_cells(path: Path) -> dict[int, str]:
-    """A notebook's code cells by their index among all its cells, magics blanked as ``notebook_source`` does."""
-    nb = nbformat.read(path, as_version=4)
-    return {i: "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
-            for i, cell in enumerate(nb.cells) if cell.cell_type == "code"}
 
 
 COMPREHENSIONS = {"listcomp", "setcomp", "dictcomp", "genexpr"}
