@@ -290,14 +290,10 @@ def chunk_bwd_dh(
 
     dh = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=q.device)
     dh0 = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=q.device) if h0 is not None else None
-    P = _pieces.choose(pieces, p, "bwd", _pieces.gate_kind(g, g_gamma, gk, gv))
-    if P == 1 or p.H * p.K * p.V == 0:  # (no state element, dh and dh0 empty: no launch, nothing to cut)
-        _backward_pass(q, do, g, g_gamma, gk, gv, scale, p, config, cu_seqlens=p.cu_seqlens,
-                       split_offsets=p.split_offsets, N=p.N, states=dh, start=dht, end=dh0)
-    else:  # the pieces are packed along T, and a dense batch's rows already lie in memory as one packed row
-        # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
-        run_pass = functools.partial(_backward_pass, q, do, g, g_gamma, gk, gv, scale, p, config)
-        _pieces.run(run_pass, p, P, dh, dht, dh0, use_gv=gv is not None, reverse=True)
+    run_pass = functools.partial(_backward_pass, q, do, g, g_gamma, gk, gv, scale, p, config)
+    _pieces.dispatch(pieces, p, run_pass, dh, dht, dh0, direction="bwd", gate=_pieces.gate_kind(g, g_gamma, gk, gv),
+                     use_gv=gv is not None,
+                     tag=(q.dtype, dh.dtype, dht is not None, dh0 is not None, config and tuning.config_label(config)))
     return dh, dh0
 
 

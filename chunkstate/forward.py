@@ -265,14 +265,10 @@ def chunk_fwd_h(
 
     h = torch.empty(B, p.NS, H, *p.state, dtype=torch.float32 if states_in_fp32 else k.dtype, device=k.device)
     ht = torch.empty(p.N, H, *p.state, dtype=torch.float32, device=k.device) if output_final_state else None
-    P = _pieces.choose(pieces, p, "fwd", _pieces.gate_kind(g, g_gamma, gk, gv))
-    if P == 1 or p.H * p.K * p.V == 0:  # (no state element, h and ht empty: no launch, nothing to cut)
-        _forward_pass(k, v, g, g_gamma, gk, gv, p, config, cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets,
-                      N=p.N, states=h, start=h0, end=ht)
-    else:  # the pieces are packed along T, and a dense batch's rows already lie in memory as one packed row
-        # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
-        run_pass = functools.partial(_forward_pass, k, v, g, g_gamma, gk, gv, p, config)
-        _pieces.run(run_pass, p, P, h, h0, ht, use_gv=gv is not None, reverse=False)
+    run_pass = functools.partial(_forward_pass, k, v, g, g_gamma, gk, gv, p, config)
+    _pieces.dispatch(pieces, p, run_pass, h, h0, ht, direction="fwd", gate=_pieces.gate_kind(g, g_gamma, gk, gv),
+                     use_gv=gv is not None,
+                     tag=(k.dtype, h.dtype, h0 is not None, ht is not None, config and tuning.config_label(config)))
     return h, ht
 
 

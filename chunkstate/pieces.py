@@ -26,12 +26,15 @@ started: no deadlock whatever the schedule (``piece_role``, ``fold_contributions
 whatever its size; as one, about 10-40 µs more than one pass (figures/README.md, sessions 19 and
 23). A batch with an empty sequence, which owns no piece and so no program to store its end state, takes
 the three launches. The pieces pay only for long sequences far below one wave of programs:
-``auto_pieces`` decides with a cost model measured per direction (``COSTS``, ``predicted_us``), and
-``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
+a default call (``pieces=None``, ``choose``) asks a cost model measured per direction (``COSTS``,
+``predicted_us``, ``auto_pieces``) for a count, then times that count, the counts either side and
+one pass on its first call and keeps the fastest, as the autotuner keeps a config
+(``timed_choice``); ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
-``run`` one function that launches their kernel over a packed batch, and ``run`` calls it once (one
-launch) or twice (three launches, with ``scan`` between).
+``dispatch`` one function that launches their kernel over a packed batch; it calls that function
+over the batch (one pass) or hands it to ``run``, which calls it once (one launch) or twice (three
+launches, with ``scan`` between).
 """
 from __future__ import annotations
 
@@ -166,24 +169,146 @@ def never_cut(programs: int, sms: int) -> bool:
     return programs >= sms // 2
 
 
-def choose(pieces, p: Problem, direction: str, gate: str) -> int:
-    """Validate the caller's ``pieces`` and return the count to use: ``None`` asks ``auto_pieces``
-    for this device, ``direction`` and gate kind (``gate_kind``; 1 under the interpreter, where
-    nothing runs in parallel)."""
+def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple = ()) -> int:
+    """Validate the caller's ``pieces`` and return the count to use. ``None`` decides for this device,
+    ``direction`` and gate kind (``gate_kind``): 1 under the interpreter (nothing runs in parallel)
+    and for grids of half a wave or more (``never_cut``); otherwise the fastest of ``trial_counts``
+    (the cost model's count, its neighbours and one pass), timed once per ``timing_key`` by calling
+    ``trial(P)`` (``timed_choice``), where a ``trial`` is given and more than one count is open;
+    else ``auto_pieces``, the model's count. ``tag``: what else the timing depends on (dtypes,
+    optional states), from the wrapper."""
     if pieces is None:
         if INTERPRET:
             return 1
         sms = tuning.sm_count(p.device)
-        # auto_pieces' first rule, asked before its cache: every default call asks, and on an H200's host
-        # the cached call (its key hashed from ten arguments) cost a small call ~2-5 % of its time
-        # against pieces=1 (figures/README.md, "session 17")
+        # never_cut asked before any cache: every default call asks, and on an H200's host a cached
+        # call (its key hashed from ten arguments) cost a small call ~2-5 % of its time against
+        # pieces=1 (figures/README.md, "session 17")
         if never_cut(programs_64(p.N, p.H, p.K, p.V), sms):
             return 1
         longest = p.T if p.cu_seqlens is None else max(p.lengths, default=0)
-        return auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate)
+        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, longest, p.BS, p.BT, p.state_v_first, p.device)
+        chosen = _CHOSEN.get(exact)
+        if chosen is None:
+            model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate)
+            counts = trial_counts(model, longest, p.BS)
+            if trial is None or not TIME_PIECES or len(counts) == 1 or _capturing(p.device):
+                return model  # not kept: a later call with a trial times it
+            chosen = fit(timed_choice(trial, counts, timing_key(exact, p.BT)), longest, p.BS)
+            if len(_CHOSEN) >= MAX_CHOSEN:
+                _CHOSEN.clear()
+            _CHOSEN[exact] = chosen
+        return chosen
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces
+
+
+# ---------------------------------------------------------------------------------------------
+# The count timed, not only modelled
+# ---------------------------------------------------------------------------------------------
+#
+# The model's constants are medians over hosts and shapes, and the host's time of a launch in pieces
+# (10-80 µs more than one pass, figures/README.md, sessions 19-23) is as large as the gain the model
+# weighs it against below ~0.2 ms; so where a cut is open, the count a default call uses is timed,
+# as the autotuner times configs: the model proposes (its count, the counts either side, and one
+# pass), each is run once (compiling and tuning its launch), then timed by ``tuning.autotune_timing``,
+# and the fastest is kept (of equals, the fewest pieces). On session 22's three random runs, the
+# fastest of those counts by the runs' own timings was within 3 % of the best explicit count in 65
+# of 66 cases where the model's own count was in 55 (figures/README.md, session 27).
+#
+# A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunks rounded
+# to a power of two, so a training run whose packed batches differ in length every step times each
+# size class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a repeated
+# call pays one dictionary lookup.
+
+TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
+MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
+_CHOSEN: dict[tuple, int] = {}  # exact call -> count
+_TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose
+
+
+def trial_counts(model: int, longest: int, BS: int) -> tuple[int, ...]:
+    """The counts a default call times, ascending: one pass, and the model's count with the counts
+    either side of it in ``PIECE_COUNTS`` (for a model's 1: 2 and 4), each where its pieces are
+    long enough (``fit``)."""
+    near = (model // 2, model, 2 * model) if model > 1 else (2, 4)
+    return tuple(sorted({1, *(P for P in near if P in PIECE_COUNTS and fit(P, longest, BS) == P)}))
+
+
+def fit(P: int, longest: int, BS: int) -> int:
+    """``P``, halved until each piece of the longest sequence holds at least ``MIN_PIECE_TOKENS``
+    tokens and one split (1 if none does): a count timed on one length of a ``timing_key``'s class,
+    used on another."""
+    while P > 1 and longest < P * max(MIN_PIECE_TOKENS, BS):
+        P //= 2
+    return P
+
+
+def timing_key(exact: tuple, BT: int) -> tuple:
+    """The class of calls that share one timing: ``choose``'s exact key with the longest sequence's
+    length replaced by its chunk count's bit length (1-1 chunks, 2-3, 4-7, ...)."""
+    direction, gate, tag, N, H, K, V, longest, *rest = exact
+    return (direction, gate, tag, N, H, K, V, _host.cdiv(longest, BT).bit_length(), *rest)
+
+
+def timed_choice(trial, counts: tuple[int, ...], key: tuple, timer=None) -> int:
+    """The fastest of ``counts`` for ``key``'s class: kept from an earlier timing, or now: each count
+    run once by ``trial(P)`` (its compile and autotuning), then timed by ``timer`` (default
+    ``tuning.autotune_timing``'s median), holding the launch lock. Of equal times, the fewest
+    pieces."""
+    chosen = _TIMED.get(key)
+    if chosen is not None:
+        return chosen
+    timer = timer or _median_time
+    with serialised():
+        for P in counts:
+            trial(P)
+        times = {P: timer(functools.partial(trial, P)) for P in counts}
+    chosen = min(counts, key=lambda P: (times[P], P))
+    if len(_TIMED) >= MAX_CHOSEN:
+        _TIMED.clear()
+    _TIMED[key] = chosen
+    return chosen
+
+
+def _median_time(fn) -> float:
+    median = tuning.autotune_timing(fn, quantiles=(0.5,))
+    return median[0] if isinstance(median, (list, tuple)) else median
+
+
+def _capturing(device: int) -> bool:
+    """A CUDA graph is being captured on the current stream: nothing may be timed (or synchronised)."""
+    return device >= 0 and torch.cuda.is_current_stream_capturing()
+
+
+def choices() -> dict[tuple, int]:
+    """The counts default calls have used where a cut was open, by their exact key (a copy): what the
+    benchmark reads to record the count a call ran in."""
+    return dict(_CHOSEN)
+
+
+def clear_choices() -> None:
+    """Forget every timed count (tests; or to time again after the GPU's load changed)."""
+    with serialised():
+        _CHOSEN.clear()
+        _TIMED.clear()
+
+
+def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, direction: str, gate: str,
+           use_gv: bool, tag: tuple = ()) -> None:
+    """A wrapper's launch: ``run_pass`` over the whole batch (one pass) or ``run`` in the count
+    ``choose`` returns (which may time the counts it weighs by calling this launch with each); both
+    fill ``states`` and ``end`` in place. ``run_pass`` as ``run`` takes it."""
+    def launch_in(P: int) -> None:
+        if P == 1 or p.H * p.K * p.V == 0:  # (no state element, states and end empty: no launch, nothing to cut)
+            run_pass(cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets, N=p.N, states=states, start=start,
+                     end=end)
+        else:  # the pieces are packed along T, and a dense batch's rows already lie in memory as one packed row
+            # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
+            run(run_pass, p, P, states, start, end, use_gv, reverse=direction == "bwd")
+
+    launch_in(choose(pieces, p, direction, gate, trial=launch_in, tag=tag))
 
 
 def plan(lengths, BS: int, pieces: int) -> tuple[list[int], list[int]]:

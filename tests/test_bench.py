@@ -734,6 +734,33 @@ def test_run_case_times_the_explicit_piece_counts(monkeypatch):
     assert r["auto_over_best"] == pytest.approx(1.1)  # its own choice 10 % slower than pieces=1
 
 
+def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
+    """Where the default call's first run timed the counts open to it (``pieces.choose``), the
+    record's ``pieces`` is the count it kept, ``pieces_model`` the model's; where it timed nothing,
+    ``pieces`` stays the model's (``case_pieces``) and there is no ``pieces_model``."""
+    case = Case(Shape(1, 65536, 2), "fwd")
+    model = bench.case_pieces(case)
+    assert model > 1
+    kept = {True: 1}
+
+    def fake_first(lib, jit, case, inp, **extra):
+        if not extra and kept:  # the default call: as if it had timed its counts and kept one pass
+            pieces._CHOSEN[("a key of this call",)] = kept.pop(True)
+        return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
+
+    monkeypatch.setattr(runner, "_first", fake_first)
+    monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
+    libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None, ours_autotuners=[])
+    pieces.clear_choices()
+    try:
+        r = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
+        assert (r["pieces"], r["pieces_model"]) == (1, model)
+        again = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])  # nothing timed this time
+        assert again["pieces"] == model and "pieces_model" not in again
+    finally:
+        pieces.clear_choices()
+
+
 def test_a_cases_calls_are_timed_in_interleaved_rounds(monkeypatch):
     """Every call is timed once per round, in the round's order (``round_orders``), with the round's
     do_bench settings; each reports the median over its rounds (ms, p20, p80), keeps the rounds'

@@ -221,8 +221,10 @@ def program_map(B: int, T: int, H: int, K: int, V: int, *, cu_seqlens=None, chun
     Args:
         B, T, H, K, V: the sizes of k [B, T, H, K] and v [B, T, H, V] (ints, no tensors needed).
         cu_seqlens, chunk_size, split_size, pieces, config: as the kernels take them; ``cu_seqlens``
-            may also be a list of ints. ``pieces=None`` decides as the kernels do (``pieces.choose``:
-            1 under the interpreter, ``auto_pieces`` on a GPU). ``config``: the ``triton.Config`` whose
+            may also be a list of ints. ``pieces=None`` takes the count the kernels start from
+            (``pieces.choose`` without a trial: 1 under the interpreter, the cost model's
+            ``auto_pieces`` on a GPU, where a call also times the counts either side and may keep
+            one of those). ``config``: the ``triton.Config`` whose
             BK, BV cut the state; default ``tuning.INTERPRETER_CONFIG`` (64 × 64; what the autotuner
             would pick on a GPU is not known without timing it).
         HQ: the backward's query heads (GQA: a multiple of H, HQ / H query heads per state head; default H).

@@ -1,0 +1,197 @@
+"""How a default call (``pieces=None``) chooses its piece count: the cost model proposes, the
+counts are timed once per class of calls (``pieces.choose``, ``trial_counts``, ``timed_choice``).
+
+On CPU the timer is a stand-in that returns chosen times (the interpreter's times say nothing of a
+GPU's), and ``INTERPRET`` is patched off in ``chunkstate.pieces`` alone so that it decides as on a
+GPU, with an H200's SM count; the kernels still run under the interpreter, and one test runs a
+default call end to end through them against the float64 loop. On a GPU the real timer times real
+launches, and a call captured in a CUDA graph takes the model's count without timing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chunkstate
+from chunkstate import gates, launch, pieces, reference, tuning
+from chunkstate.testing import check_close, nan_poisoned_empty
+
+ON_GPU = chunkstate.DEVICE == "cuda"
+SMS = tuning.H200_SMS
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """``pieces`` decides as on a GPU (with a CPU tensor's device: an H200's SM count), its memory of
+    timed counts empty before and after."""
+    monkeypatch.setattr(pieces, "INTERPRET", False)
+    pieces.clear_choices()
+    yield
+    pieces.clear_choices()
+
+
+def _problem(B, T, H, K, V, cu=None, BS=None):
+    return launch.problem(torch.zeros(0), B, T, H, K, V, cu, 64, BS, False)
+
+
+class FakeTrial:
+    """A ``trial`` that records the counts it ran, and a timer that runs the function it is given
+    once, as a timer would, and answers that count's time from ``times`` (µs)."""
+
+    def __init__(self, times):
+        self.times, self.ran, self.timed = times, [], []
+
+    def __call__(self, P):
+        self.ran.append(P)
+
+    def timer(self, fn):
+        fn()  # functools.partial(trial, P)
+        self.timed.append(fn.args[0])
+        return self.times[fn.args[0]]
+
+
+def _choose(p, trial, direction="fwd", gate="g", monkeypatch=None):
+    monkeypatch.setattr(pieces, "_median_time", trial.timer)
+    return pieces.choose(None, p, direction, gate, trial=trial, tag=("t",))
+
+
+def test_trial_counts_are_the_models_count_its_neighbours_and_one_pass():
+    assert pieces.trial_counts(8, 131072, 64) == (1, 4, 8, 16)
+    assert pieces.trial_counts(2, 131072, 64) == (1, 2, 4)  # 1 is not a piece count: one pass stands for it
+    assert pieces.trial_counts(32, 131072, 64) == (1, 16, 32)  # 64 is not in PIECE_COUNTS
+    assert pieces.trial_counts(1, 131072, 64) == (1, 2, 4)  # the model declined: the first two cuts still timed
+    # pieces of at least MIN_PIECE_TOKENS tokens and one split
+    assert pieces.trial_counts(4, 4 * pieces.MIN_PIECE_TOKENS, 64) == (1, 2, 4)
+    assert pieces.trial_counts(4, 4 * pieces.MIN_PIECE_TOKENS - 1, 64) == (1, 2)
+    assert pieces.trial_counts(1, 2 * pieces.MIN_PIECE_TOKENS - 1, 64) == (1,)
+    assert pieces.trial_counts(2, 8192, 8192) == (1,)  # a split of 8192 tokens: no piece count fits
+
+
+def test_fit_halves_a_count_until_its_pieces_are_long_enough():
+    assert pieces.fit(16, 131072, 64) == 16
+    assert pieces.fit(16, 16 * 2048 - 1, 64) == 8
+    assert pieces.fit(4, 3000, 64) == 1
+    assert pieces.fit(4, 65536, 32768) == 2
+
+
+def test_the_fastest_count_is_timed_once_and_kept(as_on_a_gpu, monkeypatch):
+    """B1 T98304 H2 K = V = 128 (8 programs, far below half a wave): the model's count, its
+    neighbours and one pass are run once each, then timed; the fastest is returned and kept, for
+    the same call (nothing timed) and for a call of another length in its class (1024-2047 chunks:
+    nothing timed either); a length of another class (1023 chunks) is timed again."""
+    T = 98304  # 1536 chunks
+    p = _problem(1, T, 2, 128, 128)
+    model = pieces.auto_pieces(1, 2, 128, 128, T, 64, SMS, 64, direction="fwd", gate="g")
+    counts = pieces.trial_counts(model, T, 64)
+    assert model > 1 and model in counts and len(counts) >= 3
+    times = {P: 100.0 - 10 * i for i, P in enumerate(counts)}  # the most pieces fastest ...
+    times[counts[1]] = 50.0  # ... but for the second count: the fastest here
+    trial = FakeTrial(times)
+    assert _choose(p, trial, monkeypatch=monkeypatch) == counts[1]
+    assert trial.ran == list(counts) * 2 and trial.timed == list(counts), "each run once, then timed once"
+
+    again = FakeTrial(times)
+    assert _choose(p, again, monkeypatch=monkeypatch) == counts[1]
+    assert _choose(_problem(1, 65536, 2, 128, 128), again, monkeypatch=monkeypatch) == counts[1]  # 1024 chunks
+    assert again.ran == [], "the same call, and one of its class: nothing timed"
+    other = FakeTrial({P: 10.0 for P in range(1, 33)})
+    assert _choose(_problem(1, 65472, 2, 128, 128), other, monkeypatch=monkeypatch) == 1, \
+        "1023 chunks: another class, timed; of equal times the fewest pieces (one pass)"
+    assert other.timed == list(pieces.trial_counts(
+        pieces.auto_pieces(1, 2, 128, 128, 65472, 64, SMS, 64, direction="fwd", gate="g"), 65472, 64))
+
+
+def test_a_count_timed_on_a_longer_call_is_fitted_to_a_shorter_one(as_on_a_gpu, monkeypatch):
+    """A class spans a factor of two in length: 32 pieces timed at 2047 chunks (131008 tokens) is too
+    many for 1024 chunks (65536 tokens: 32 pieces of 2048 tokens fit, 65535 tokens do not)."""
+    trial = FakeTrial({1: 90.0, 16: 60.0, 32: 40.0, 8: 80.0, 4: 85.0, 2: 88.0})
+    long_ = _problem(1, 131008, 1, 128, 128)
+    assert _choose(long_, trial, monkeypatch=monkeypatch) == 32
+    assert _choose(_problem(1, 65536, 1, 128, 128), trial, monkeypatch=monkeypatch) == 32
+    assert _choose(_problem(1, 65535 - 63, 1, 128, 128), trial, monkeypatch=monkeypatch) == 16  # 1023 chunks
+    assert trial.timed.count(32) == 1
+
+
+def test_grids_of_half_a_wave_and_short_sequences_are_never_timed(as_on_a_gpu, monkeypatch):
+    trial = FakeTrial({})
+    assert _choose(_problem(8, 65536, 16, 128, 128), trial, monkeypatch=monkeypatch) == 1  # 512 programs
+    assert _choose(_problem(1, 4095, 2, 128, 128), trial, monkeypatch=monkeypatch) == 1  # one count open: 1
+    assert trial.ran == [] and pieces._CHOSEN == {} and pieces._TIMED == {}
+
+
+def test_without_a_trial_or_while_capturing_the_models_count_untimed(as_on_a_gpu, monkeypatch):
+    """The explorer asks with no trial, and a CUDA graph's capture may not synchronise: both get
+    ``auto_pieces``' count, and nothing is kept, so a later call with a trial times it."""
+    p = _problem(1, 65536, 2, 128, 128)
+    model = pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, 64, direction="bwd", gate="gk")
+    assert pieces.choose(None, p, "bwd", "gk") == model
+    trial = FakeTrial({})
+    monkeypatch.setattr(pieces, "_capturing", lambda device: True)
+    assert _choose(p, trial, "bwd", "gk", monkeypatch) == model
+    monkeypatch.setattr(pieces, "TIME_PIECES", False)
+    monkeypatch.setattr(pieces, "_capturing", lambda device: False)
+    assert _choose(p, trial, "bwd", "gk", monkeypatch) == model
+    assert trial.ran == [] and pieces._CHOSEN == {} and pieces._TIMED == {}
+
+
+def test_directions_gates_and_tags_are_timed_apart(as_on_a_gpu, monkeypatch):
+    p = _problem(1, 65536, 2, 128, 128)
+    seen = []
+    for direction, gate, tag in (("fwd", "g", ("a",)), ("bwd", "g", ("a",)), ("fwd", "gk", ("a",)),
+                                 ("fwd", "g", ("b",))):
+        trial = FakeTrial({P: float(P) for P in range(1, 33)})  # one pass fastest
+        monkeypatch.setattr(pieces, "_median_time", trial.timer)
+        assert pieces.choose(None, p, direction, gate, trial=trial, tag=tag) == 1
+        seen.append(bool(trial.timed))
+    assert seen == [True] * 4
+
+
+def test_a_default_call_times_its_counts_and_returns_the_loops_states(as_on_a_gpu, monkeypatch):
+    """End to end under the interpreter (on a GPU, for real): B1 T4096 H1 K = V = 32, gate g; the
+    counts (1, 2) each launched, the fastest by the timer kept; every state, and ht, as the loop
+    has them, whichever count ran last."""
+    device = chunkstate.DEVICE
+    B, T, H, K, V, BT = 1, 4096, 1, 32, 32, 64
+    k, v = (torch.randn(B, T, H, D, device=device) / D ** 0.5 for D in (K, V))
+    g = F.logsigmoid(torch.randn(B, T, H, device=device) + 3)  # per token, natural log: the loop's
+    timed = []
+    if not ON_GPU:
+        def timer(fn):  # fn: functools.partial(launch, P)
+            fn()
+            timed.append(fn.args[0])
+            return {1: 20.0, 2: 10.0}[fn.args[0]]  # the cut faster
+        monkeypatch.setattr(pieces, "_median_time", timer)
+    with nan_poisoned_empty():
+        h, ht = chunkstate.chunk_fwd_h(k, v, g=gates.chunk_local_cumsum(g, BT), output_final_state=True,
+                                       chunk_size=BT)
+    chosen = list(pieces._CHOSEN.values())
+    assert len(chosen) == 1 and chosen[0] in (1, 2)
+    if not ON_GPU:
+        assert timed == [1, 2] and chosen == [2]
+    h_ref, ht_ref = reference.recurrent_states(k, v, g=g, chunk_size=BT)
+    tol = 2e-3 if ON_GPU else 1e-5  # tf32 on a GPU
+    check_close(h, h_ref, f"h of a default call in {chosen[0]} piece(s)", tol)
+    check_close(ht, ht_ref, "ht", tol)
+
+
+@pytest.mark.gpu(reason="CUDA graphs exist only on a GPU")
+def test_gpu_a_default_call_captured_in_a_graph_is_not_timed(as_on_a_gpu):
+    B, T, H, K, V, BT = 1, 16384, 2, 64, 64, 64
+    k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, V))
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3), BT)
+    p = launch.problem(k, B, T, H, K, V, None, BT, None, False)
+    model = pieces.choose(None, p, "fwd", "g")
+    assert model > 1, "a shape the model cuts"
+    want, _ = chunkstate.chunk_fwd_h(k, v, g=g, pieces=model, states_in_fp32=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            h, _ = chunkstate.chunk_fwd_h(k, v, g=g, states_in_fp32=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert pieces._CHOSEN == {} and pieces._TIMED == {}, "nothing timed inside the capture"
+    check_close(h, want, "the graph's replay against pieces=model", 1e-6)
