@@ -211,11 +211,11 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # The model's constants are medians over hosts and shapes, and the host's time of a launch in pieces
 # (10-80 µs more than one pass, figures/README.md, sessions 19-23) is as large as the gain the model
 # weighs it against below ~0.2 ms; so where a cut is open, the count a default call uses is timed,
-# as the autotuner times configs: the model proposes (its count, the counts either side, and one
-# pass), each is run once (compiling and tuning its launch), then timed by ``tuning.autotune_timing``,
-# and the fastest is kept (of equals, the fewest pieces). On session 22's three random runs, the
-# fastest of those counts by the runs' own timings was within 3 % of the best explicit count in 65
-# of 66 cases where the model's own count was in 55 (figures/README.md, session 27).
+# as the autotuner times configs: the model proposes (``trial_counts``: its count, half, twice and
+# four times it, and one pass), each is run once (compiling and tuning its launch), then timed by
+# ``tuning.autotune_timing``, and the fastest is kept (of equals, the fewest pieces). This rule was
+# chosen on the explicit counts timed in the earlier random runs (figures/README.md, session 27);
+# it is judged on seeds drawn after it.
 #
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunks rounded
 # to a power of two, so a training run whose packed batches differ in length every step times each
@@ -223,24 +223,28 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # call pays one dictionary lookup.
 
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
+MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS); the
+# benchmark's explicit counts reach down as far (bench.explicit_pieces)
 MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
 _CHOSEN: dict[tuple, int] = {}  # exact call -> count
 _TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose
 
 
 def trial_counts(model: int, longest: int, BS: int) -> tuple[int, ...]:
-    """The counts a default call times, ascending: one pass, and the model's count with the counts
-    either side of it in ``PIECE_COUNTS`` (for a model's 1: 2 and 4), each where its pieces are
-    long enough (``fit``)."""
-    near = (model // 2, model, 2 * model) if model > 1 else (2, 4)
+    """The counts a default call times, ascending: one pass, and of ``PIECE_COUNTS`` the model's
+    count ``model``, half of it, twice and four times it (for a model's 1: 2, 4 and 8), each where
+    its pieces of the longest sequence hold at least ``MIN_TRIAL_TOKENS`` tokens and one split
+    (``fit``). Up the counts reach further than down: the counts more than 3 % faster than the
+    model's lay above it in the earlier runs (figures/README.md, session 27)."""
+    near = (model // 2, model, 2 * model, 4 * model) if model > 1 else (2, 4, 8)
     return tuple(sorted({1, *(P for P in near if P in PIECE_COUNTS and fit(P, longest, BS) == P)}))
 
 
 def fit(P: int, longest: int, BS: int) -> int:
-    """``P``, halved until each piece of the longest sequence holds at least ``MIN_PIECE_TOKENS``
+    """``P``, halved until each piece of the longest sequence holds at least ``MIN_TRIAL_TOKENS``
     tokens and one split (1 if none does): a count timed on one length of a ``timing_key``'s class,
     used on another."""
-    while P > 1 and longest < P * max(MIN_PIECE_TOKENS, BS):
+    while P > 1 and longest < P * max(MIN_TRIAL_TOKENS, BS):
         P //= 2
     return P
 

@@ -57,21 +57,22 @@ def _choose(p, trial, direction="fwd", gate="g", monkeypatch=None):
 
 
 def test_trial_counts_are_the_models_count_its_neighbours_and_one_pass():
-    assert pieces.trial_counts(8, 131072, 64) == (1, 4, 8, 16)
-    assert pieces.trial_counts(2, 131072, 64) == (1, 2, 4)  # 1 is not a piece count: one pass stands for it
-    assert pieces.trial_counts(32, 131072, 64) == (1, 16, 32)  # 64 is not in PIECE_COUNTS
-    assert pieces.trial_counts(1, 131072, 64) == (1, 2, 4)  # the model declined: the first two cuts still timed
-    # pieces of at least MIN_PIECE_TOKENS tokens and one split
-    assert pieces.trial_counts(4, 4 * pieces.MIN_PIECE_TOKENS, 64) == (1, 2, 4)
-    assert pieces.trial_counts(4, 4 * pieces.MIN_PIECE_TOKENS - 1, 64) == (1, 2)
-    assert pieces.trial_counts(1, 2 * pieces.MIN_PIECE_TOKENS - 1, 64) == (1,)
+    assert pieces.trial_counts(8, 131072, 64) == (1, 4, 8, 16, 32)
+    assert pieces.trial_counts(2, 131072, 64) == (1, 2, 4, 8)  # 1 is not a piece count: one pass stands for it
+    assert pieces.trial_counts(32, 131072, 64) == (1, 16, 32)  # 64 and 128 are not in PIECE_COUNTS
+    assert pieces.trial_counts(1, 131072, 64) == (1, 2, 4, 8)  # the model declined: the first cuts still timed
+    # pieces of at least MIN_TRIAL_TOKENS tokens and one split
+    assert pieces.MIN_TRIAL_TOKENS == 1024
+    assert pieces.trial_counts(4, 8 * 1024, 64) == (1, 2, 4, 8)
+    assert pieces.trial_counts(4, 8 * 1024 - 1, 64) == (1, 2, 4)
+    assert pieces.trial_counts(1, 2 * 1024 - 1, 64) == (1,)
     assert pieces.trial_counts(2, 8192, 8192) == (1,)  # a split of 8192 tokens: no piece count fits
 
 
 def test_fit_halves_a_count_until_its_pieces_are_long_enough():
-    assert pieces.fit(16, 131072, 64) == 16
-    assert pieces.fit(16, 16 * 2048 - 1, 64) == 8
-    assert pieces.fit(4, 3000, 64) == 1
+    assert pieces.fit(16, 16 * 1024, 64) == 16
+    assert pieces.fit(16, 16 * 1024 - 1, 64) == 8
+    assert pieces.fit(4, 2000, 64) == 1
     assert pieces.fit(4, 65536, 32768) == 2
 
 
@@ -103,20 +104,22 @@ def test_the_fastest_count_is_timed_once_and_kept(as_on_a_gpu, monkeypatch):
 
 
 def test_a_count_timed_on_a_longer_call_is_fitted_to_a_shorter_one(as_on_a_gpu, monkeypatch):
-    """A class spans a factor of two in length: 32 pieces timed at 2047 chunks (131008 tokens) is too
-    many for 1024 chunks (65536 tokens: 32 pieces of 2048 tokens fit, 65535 tokens do not)."""
-    trial = FakeTrial({1: 90.0, 16: 60.0, 32: 40.0, 8: 80.0, 4: 85.0, 2: 88.0})
-    long_ = _problem(1, 131008, 1, 128, 128)
-    assert _choose(long_, trial, monkeypatch=monkeypatch) == 32
-    assert _choose(_problem(1, 65536, 1, 128, 128), trial, monkeypatch=monkeypatch) == 32
-    assert _choose(_problem(1, 65535 - 63, 1, 128, 128), trial, monkeypatch=monkeypatch) == 16  # 1023 chunks
-    assert trial.timed.count(32) == 1
+    """A class spans a factor of two in chunks: with splits of 1536 tokens, 32 pieces timed at 1023
+    chunks (65472 tokens) are too many at 512 chunks (32768 tokens), where 16 pieces of at least one
+    split fit."""
+    trial = FakeTrial({1: 90.0, 4: 85.0, 8: 80.0, 16: 60.0, 32: 40.0})
+    monkeypatch.setattr(pieces, "auto_pieces", lambda *args, **kw: 8)  # the model's count: 8
+    long_ = _problem(1, 65472, 1, 128, 128, BS=1536)
+    assert _choose(long_, trial, monkeypatch=monkeypatch) == 32 and trial.timed == [1, 4, 8, 16, 32]
+    assert _choose(_problem(1, 49152, 1, 128, 128, BS=1536), trial, monkeypatch=monkeypatch) == 32
+    assert _choose(_problem(1, 32768, 1, 128, 128, BS=1536), trial, monkeypatch=monkeypatch) == 16
+    assert trial.timed == [1, 4, 8, 16, 32], "one class: timed once"
 
 
 def test_grids_of_half_a_wave_and_short_sequences_are_never_timed(as_on_a_gpu, monkeypatch):
     trial = FakeTrial({})
     assert _choose(_problem(8, 65536, 16, 128, 128), trial, monkeypatch=monkeypatch) == 1  # 512 programs
-    assert _choose(_problem(1, 4095, 2, 128, 128), trial, monkeypatch=monkeypatch) == 1  # one count open: 1
+    assert _choose(_problem(1, 2047, 2, 128, 128), trial, monkeypatch=monkeypatch) == 1  # one count open: 1
     assert trial.ran == [] and pieces._CHOSEN == {} and pieces._TIMED == {}
 
 
@@ -149,7 +152,7 @@ def test_directions_gates_and_tags_are_timed_apart(as_on_a_gpu, monkeypatch):
 
 def test_a_default_call_times_its_counts_and_returns_the_loops_states(as_on_a_gpu, monkeypatch):
     """End to end under the interpreter (on a GPU, for real): B1 T4096 H1 K = V = 32, gate g; the
-    counts (1, 2) each launched, the fastest by the timer kept; every state, and ht, as the loop
+    counts (1, 2, 4) each launched, the fastest by the timer kept; every state, and ht, as the loop
     has them, whichever count ran last."""
     device = chunkstate.DEVICE
     B, T, H, K, V, BT = 1, 4096, 1, 32, 32, 64
@@ -160,15 +163,15 @@ def test_a_default_call_times_its_counts_and_returns_the_loops_states(as_on_a_gp
         def timer(fn):  # fn: functools.partial(launch, P)
             fn()
             timed.append(fn.args[0])
-            return {1: 20.0, 2: 10.0}[fn.args[0]]  # the cut faster
+            return {1: 20.0, 2: 10.0, 4: 15.0}[fn.args[0]]  # 2 pieces the fastest
         monkeypatch.setattr(pieces, "_median_time", timer)
     with nan_poisoned_empty():
         h, ht = chunkstate.chunk_fwd_h(k, v, g=gates.chunk_local_cumsum(g, BT), output_final_state=True,
                                        chunk_size=BT)
     chosen = list(pieces._CHOSEN.values())
-    assert len(chosen) == 1 and chosen[0] in (1, 2)
+    assert len(chosen) == 1 and chosen[0] in (1, 2, 4)
     if not ON_GPU:
-        assert timed == [1, 2] and chosen == [2]
+        assert timed == [1, 2, 4] and chosen == [2]
     h_ref, ht_ref = reference.recurrent_states(k, v, g=g, chunk_size=BT)
     tol = 2e-3 if ON_GPU else 1e-5  # tf32 on a GPU
     check_close(h, h_ref, f"h of a default call in {chosen[0]} piece(s)", tol)
