@@ -249,11 +249,17 @@ def fit(P: int, longest: int, BS: int) -> int:
     return P
 
 
+def timing_class(longest: int, BT: int) -> int:
+    """The class of lengths that share one timing: the bit length of the longest sequence's chunk
+    count (1 chunk: 1; 2-3: 2; 4-7: 3; ...), so each class spans a factor of two."""
+    return _host.cdiv(longest, BT).bit_length()
+
+
 def timing_key(exact: tuple, BT: int) -> tuple:
-    """The class of calls that share one timing: ``choose``'s exact key with the longest sequence's
-    length replaced by its chunk count's bit length (1-1 chunks, 2-3, 4-7, ...)."""
+    """The key of the calls that share one timing: ``choose``'s exact key with the longest
+    sequence's length replaced by its ``timing_class``."""
     direction, gate, tag, N, H, K, V, longest, *rest = exact
-    return (direction, gate, tag, N, H, K, V, _host.cdiv(longest, BT).bit_length(), *rest)
+    return (direction, gate, tag, N, H, K, V, timing_class(longest, BT), *rest)
 
 
 def timed_choice(trial, counts: tuple[int, ...], key: tuple, timer=None) -> int:

@@ -76,6 +76,11 @@ def test_fit_halves_a_count_until_its_pieces_are_long_enough():
     assert pieces.fit(4, 65536, 32768) == 2
 
 
+def test_a_timing_class_spans_a_factor_of_two_in_chunks():
+    lengths = (1, 64, 65, 128, 129, 65472, 65536, 131008, 131072)  # tokens: 1, 1, 2, 2, 3, 1023, 1024, 2047, 2048 chunks
+    assert [pieces.timing_class(T, 64) for T in lengths] == [1, 1, 2, 2, 2, 10, 11, 11, 12]
+
+
 def test_the_fastest_count_is_timed_once_and_kept(as_on_a_gpu, monkeypatch):
     """B1 T98304 H2 K = V = 128 (8 programs, far below half a wave): the model's count, its
     neighbours and one pass are run once each, then timed; the fastest is returned and kept, for
