@@ -27,8 +27,8 @@ whatever its size; as one, about 10-40 µs more than one pass (figures/README.md
 23). A batch with an empty sequence, which owns no piece and so no program to store its end state, takes
 the three launches. The pieces pay only for long sequences far below one wave of programs:
 a default call (``pieces=None``, ``choose``) asks a cost model measured per direction (``COSTS``,
-``predicted_us``, ``auto_pieces``) for a count, then times that count, the counts either side and
-one pass on its first call and keeps the fastest, as the autotuner keeps a config
+``predicted_us``, ``auto_pieces``) for a count, then times that count, its neighbours and one pass
+(``trial_counts``) on its first call and keeps the fastest, as the autotuner keeps a config
 (``timed_choice``); ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
@@ -217,8 +217,8 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # chosen on the explicit counts timed in the earlier random runs (figures/README.md, session 27);
 # it is judged on seeds drawn after it.
 #
-# A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunks rounded
-# to a power of two, so a training run whose packed batches differ in length every step times each
+# A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
+# bit length (``timing_class``), so a training run whose packed batches differ in length every step times each
 # size class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a repeated
 # call pays one dictionary lookup.
 
@@ -262,19 +262,17 @@ def timing_key(exact: tuple, BT: int) -> tuple:
     return (direction, gate, tag, N, H, K, V, timing_class(longest, BT), *rest)
 
 
-def timed_choice(trial, counts: tuple[int, ...], key: tuple, timer=None) -> int:
+def timed_choice(trial, counts: tuple[int, ...], key: tuple) -> int:
     """The fastest of ``counts`` for ``key``'s class: kept from an earlier timing, or now: each count
-    run once by ``trial(P)`` (its compile and autotuning), then timed by ``timer`` (default
-    ``tuning.autotune_timing``'s median), holding the launch lock. Of equal times, the fewest
-    pieces."""
+    run once by ``trial(P)`` (its compile and autotuning), then timed (``_median_time``), holding the
+    launch lock. Of equal times, the fewest pieces."""
     chosen = _TIMED.get(key)
     if chosen is not None:
         return chosen
-    timer = timer or _median_time
     with serialised():
         for P in counts:
             trial(P)
-        times = {P: timer(functools.partial(trial, P)) for P in counts}
+        times = {P: _median_time(functools.partial(trial, P)) for P in counts}
     chosen = min(counts, key=lambda P: (times[P], P))
     if len(_TIMED) >= MAX_CHOSEN:
         _TIMED.clear()
@@ -283,6 +281,7 @@ def timed_choice(trial, counts: tuple[int, ...], key: tuple, timer=None) -> int:
 
 
 def _median_time(fn) -> float:
+    """``fn``'s time as the autotuner times a config (``tuning.autotune_timing``), the median."""
     median = tuning.autotune_timing(fn, quantiles=(0.5,))
     return median[0] if isinstance(median, (list, tuple)) else median
 
@@ -306,7 +305,7 @@ def clear_choices() -> None:
 
 
 def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, direction: str, gate: str,
-           use_gv: bool, tag: tuple = ()) -> None:
+             use_gv: bool, tag: tuple = ()) -> None:
     """A wrapper's launch: ``run_pass`` over the whole batch (one pass) or ``run`` in the count
     ``choose`` returns (which may time the counts it weighs by calling this launch with each); both
     fill ``states`` and ``end`` in place. ``run_pass`` as ``run`` takes it."""
