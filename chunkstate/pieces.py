@@ -218,13 +218,13 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # it is judged on seeds drawn after it.
 #
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
-# bit length (``timing_class``), so a training run whose packed batches differ in length every step times each
-# size class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a repeated
-# call pays one dictionary lookup.
+# bit length (``timing_class``), so a training run whose packed batches differ in length every step
+# times each size class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a
+# repeated call pays one dictionary lookup.
 
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
-MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS); the
-# benchmark's explicit counts reach down as far (bench.explicit_pieces)
+MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS);
+# the benchmark's explicit counts reach down as far (bench.explicit_pieces)
 MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
 _CHOSEN: dict[tuple, int] = {}  # exact call -> count
 _TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose

@@ -735,23 +735,26 @@ def test_run_case_times_the_explicit_piece_counts(monkeypatch):
 
 
 def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
-    """Where the default call's first run timed the counts open to it (``pieces.choose``), the
-    record's ``pieces`` is the count it kept, ``pieces_model`` the model's; where it timed nothing,
-    ``pieces`` stays the model's (``case_pieces``) and there is no ``pieces_model``."""
+    """Each case's default call chooses afresh (the counts kept by earlier cases are forgotten).
+    Where its first run timed the counts open to it (``pieces.choose``), the record's ``pieces`` is
+    the count it kept, ``pieces_model`` the model's; where it timed nothing, ``pieces`` stays the
+    model's (``case_pieces``) and there is no ``pieces_model``."""
     case = Case(Shape(1, 65536, 2), "fwd")
     model = bench.case_pieces(case)
     assert model > 1
     kept = {True: 1}
 
     def fake_first(lib, jit, case, inp, **extra):
-        if not extra and kept:  # the default call: as if it had timed its counts and kept one pass
-            pieces._CHOSEN[("a key of this call",)] = kept.pop(True)
+        if not extra:
+            assert pieces.choices() == {}, "an earlier case's count forgotten"
+            if kept:  # the default call: as if it had timed its counts and kept one pass
+                pieces._CHOSEN[("a key of this call",)] = kept.pop(True)
         return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
 
     monkeypatch.setattr(runner, "_first", fake_first)
     monkeypatch.setattr(runner, "do_bench", lambda fn, **kw: {"ms": fn(), "p20": fn(), "p80": fn()})
     libs = types.SimpleNamespace(ours=types.SimpleNamespace(), ours_jit=[], fla=None, ours_autotuners=[])
-    pieces.clear_choices()
+    pieces._CHOSEN[("an earlier case's call",)] = 4
     try:
         r = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
         assert (r["pieces"], r["pieces_model"]) == (1, model)

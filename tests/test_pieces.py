@@ -77,7 +77,7 @@ def test_fit_halves_a_count_until_its_pieces_are_long_enough():
 
 
 def test_a_timing_class_spans_a_factor_of_two_in_chunks():
-    lengths = (1, 64, 65, 128, 129, 65472, 65536, 131008, 131072)  # tokens: 1, 1, 2, 2, 3, 1023, 1024, 2047, 2048 chunks
+    lengths = (1, 64, 65, 128, 129, 65472, 65536, 131008, 131072)  # 1, 1, 2, 2, 3, 1023, 1024, 2047, 2048 chunks
     assert [pieces.timing_class(T, 64) for T in lengths] == [1, 1, 2, 2, 2, 10, 11, 11, 12]
 
 

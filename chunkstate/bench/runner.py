@@ -328,11 +328,11 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
     r = new_result(case, case_pieces(case))
     ours_at, fla_at = getattr(libs, "ours_autotuners", []), getattr(libs, "fla_autotuners", [])
     calls = {}  # what to time: the result's slot (or "pieces=P") -> the call
-    before = pieces.choices()
+    pieces.clear_choices()  # each case's first call chooses its count as a new process's would
     r["ours"], out, calls["ours"] = _configs_run(ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp))
-    kept = [P for key, P in pieces.choices().items() if key not in before]
+    kept = list(pieces.choices().values())
     if kept:  # the first call timed the counts open to it (pieces.choose): it runs in the one it kept
-        r["pieces_model"], r["pieces"] = r["pieces"], kept[-1]
+        r["pieces_model"], r["pieces"] = r["pieces"], kept[0]
     ours_ran = calls["ours"] is not None
     if one_pass_too(case, explore) and ours_ran:  # what the pieces bought (or cost)
         r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
