@@ -293,7 +293,10 @@ def chunk_bwd_dh(
     run_pass = functools.partial(_backward_pass, q, do, g, g_gamma, gk, gv, scale, p, config)
     _pieces.dispatch(pieces, p, run_pass, dh, dht, dh0, direction="bwd", gate=_pieces.gate_kind(g, g_gamma, gk, gv),
                      use_gv=gv is not None,
-                     tag=(q.dtype, dh.dtype, dht is not None, dh0 is not None, config and tuning.config_label(config)))
+                     tag=(q.dtype, dh.dtype, dht is not None, dh0 is not None, config and tuning.config_label(config)),
+                     call=lambda P: chunk_bwd_dh(q, k, v, do, h0, dht, scale, g, g_gamma, gk, gv, state_v_first,
+                                                 cu_seqlens, chunk_size, split_size, states_in_fp32, pieces=P,
+                                                 config=config))
     return dh, dh0
 
 

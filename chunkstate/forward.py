@@ -268,7 +268,10 @@ def chunk_fwd_h(
     run_pass = functools.partial(_forward_pass, k, v, g, g_gamma, gk, gv, p, config)
     _pieces.dispatch(pieces, p, run_pass, h, h0, ht, direction="fwd", gate=_pieces.gate_kind(g, g_gamma, gk, gv),
                      use_gv=gv is not None,
-                     tag=(k.dtype, h.dtype, h0 is not None, ht is not None, config and tuning.config_label(config)))
+                     tag=(k.dtype, h.dtype, h0 is not None, ht is not None, config and tuning.config_label(config)),
+                     call=lambda P: chunk_fwd_h(k, v, g, g_gamma, gk, gv, h0, output_final_state, state_v_first,
+                                                cu_seqlens, chunk_size, split_size, states_in_fp32, pieces=P,
+                                                config=config))
     return h, ht
 
 

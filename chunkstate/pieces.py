@@ -115,6 +115,16 @@ def programs_64(N: int, H: int, K: int, V: int) -> int:
     return N * H * _host.cdiv(K, 64) * _host.cdiv(V, 64)
 
 
+def busy_programs(H: int, K: int, V: int, tokens: int, longest: int) -> float:
+    """The programs a one-pass launch over ``tokens`` tokens, its longest sequence ``longest`` long,
+    keeps busy on average while the longest one walks: ``programs_64`` of one sequence × tokens /
+    longest. For a dense batch of N sequences that is ``programs_64`` (N·T / T = N); for a packed one
+    it is less by the longest length over the mean, since the programs of the short sequences are done
+    long before the longest's: N52 sequences whose longest is 8.6× the mean keep 24 programs busy,
+    not 208, and the longest walk sets the time as it does for 24 sequences."""
+    return programs_64(1, H, K, V) * tokens / longest if longest else 0.0
+
+
 def waves(programs: int, sms: int, overlap: float) -> float:
     """How many times one chunk step a step of ``programs`` programs takes on ``sms`` multiprocessors
     that each overlap ``overlap`` programs' steps: 1 up to ``sms · overlap`` programs, then in
@@ -140,16 +150,18 @@ def predicted_us(pieces: int, programs: int, chunks: int, sms: int, direction: s
 
 @functools.lru_cache(maxsize=1024)  # asked on every call with pieces=None: a repeated call pays a lookup
 def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int, BT: int = 64, *,
-                direction: str, gate: str = "g") -> int:
+                direction: str, gate: str = "g", tokens: int | None = None) -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
     own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors:
     1 unless one pass has under half a wave of programs (64×64 tiles) and the cost model
     (``predicted_us``) says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS``
     tokens and one split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds
     fastest (of equals, as where the host's time floors them all, the fewest pieces: the least scan
-    and workspace). Answers are cached per argument tuple: after changing ``COSTS`` or
+    and workspace). ``tokens``: the batch's tokens, for a packed batch of uneven lengths (default
+    N · ``max_len``, a dense batch): the programs are those the longest walk keeps busy
+    (``busy_programs``). Answers are cached per argument tuple: after changing ``COSTS`` or
     ``GATE_STEPS``, call ``auto_pieces.cache_clear()``."""
-    programs = programs_64(N, H, K, V)
+    programs = busy_programs(H, K, V, N * max_len if tokens is None else tokens, max_len)
     if programs == 0 or never_cut(programs, sms):
         return 1
     chunks = _host.cdiv(max_len, BT)
@@ -163,9 +175,10 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     return best
 
 
-def never_cut(programs: int, sms: int) -> bool:
-    """``auto_pieces``' first rule: a launch of ``programs`` 64×64-tile programs (``programs_64``)
-    with half a wave or more on ``sms`` multiprocessors is never cut."""
+def never_cut(programs: float, sms: int) -> bool:
+    """``auto_pieces``' first rule: a launch that keeps ``programs`` 64×64-tile programs busy
+    (``busy_programs``; ``programs_64`` for a dense batch) with half a wave or more on ``sms``
+    multiprocessors is never cut."""
     return programs >= sms // 2
 
 
@@ -184,13 +197,15 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
         # never_cut asked before any cache: every default call asks, and on an H200's host a cached
         # call (its key hashed from ten arguments) cost a small call ~2-5 % of its time against
         # pieces=1 (figures/README.md, "session 17")
-        if never_cut(programs_64(p.N, p.H, p.K, p.V), sms):
-            return 1
         longest = p.T if p.cu_seqlens is None else max(p.lengths, default=0)
-        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, longest, p.BS, p.BT, p.state_v_first, p.device)
+        if never_cut(busy_programs(p.H, p.K, p.V, p.B * p.T, longest), sms):
+            return 1
+        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, p.B * p.T, longest, p.BS, p.BT, p.state_v_first,
+                 p.device)
         chosen = _CHOSEN.get(exact)
         if chosen is None:
-            model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate)
+            model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate,
+                                tokens=p.B * p.T)
             counts = trial_counts(model, longest, p.BS)
             if trial is None or not TIME_PIECES or len(counts) == 1 or _capturing(p.device):
                 return model  # not kept: a later call with a trial times it
@@ -257,9 +272,11 @@ def timing_class(longest: int, BT: int) -> int:
 
 def timing_key(exact: tuple, BT: int) -> tuple:
     """The key of the calls that share one timing: ``choose``'s exact key with the longest
-    sequence's length replaced by its ``timing_class``."""
-    direction, gate, tag, N, H, K, V, longest, *rest = exact
-    return (direction, gate, tag, N, H, K, V, timing_class(longest, BT), *rest)
+    sequence's length replaced by its ``timing_class``, and the tokens by the bit length of how many
+    longest sequences they fill (a dense batch: N, already in the key; a packed one: between 1 and N)."""
+    direction, gate, tag, N, H, K, V, tokens, longest, *rest = exact
+    filled = tokens // longest if longest else 0
+    return (direction, gate, tag, N, H, K, V, filled.bit_length(), timing_class(longest, BT), *rest)
 
 
 def timed_choice(trial, counts: tuple[int, ...], key: tuple) -> int:
@@ -305,10 +322,13 @@ def clear_choices() -> None:
 
 
 def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, direction: str, gate: str,
-             use_gv: bool, tag: tuple = ()) -> None:
+             use_gv: bool, tag: tuple = (), call=None) -> None:
     """A wrapper's launch: ``run_pass`` over the whole batch (one pass) or ``run`` in the count
-    ``choose`` returns (which may time the counts it weighs by calling this launch with each); both
-    fill ``states`` and ``end`` in place. ``run_pass`` as ``run`` takes it."""
+    ``choose`` returns; both fill ``states`` and ``end`` in place. ``run_pass`` as ``run`` takes it.
+    Where ``choose`` times the counts it weighs, it times ``call(P)``: the wrapper's whole call with
+    ``pieces=P``, its checks and allocations included, since that is what a caller pays, and where a
+    call's host time exceeds its GPU time a count that costs the host more is slower though its
+    launch alone is faster (figures/README.md, session 28); without ``call``, this launch alone."""
     def launch_in(P: int) -> None:
         if P == 1 or p.H * p.K * p.V == 0:  # (no state element, states and end empty: no launch, nothing to cut)
             run_pass(cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets, N=p.N, states=states, start=start,
@@ -317,7 +337,7 @@ def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, 
             # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
             run(run_pass, p, P, states, start, end, use_gv, reverse=direction == "bwd")
 
-    launch_in(choose(pieces, p, direction, gate, trial=launch_in, tag=tag))
+    launch_in(choose(pieces, p, direction, gate, trial=call or launch_in, tag=tag))
 
 
 def plan(lengths, BS: int, pieces: int) -> tuple[list[int], list[int]]:

@@ -227,7 +227,7 @@ def test_the_default_call_chooses_as_auto_pieces(monkeypatch):
         p = launch.problem(like, B, T, H, K, V, cu, 64, rng.choice((None, 256)), False)
         for direction, gate in (("fwd", "g"), ("bwd", "gk"), ("fwd", "none")):
             want = pieces.auto_pieces(p.N, p.H, p.K, p.V, max(p.lengths, default=0), p.BS, sms, p.BT,
-                                      direction=direction, gate=gate)
+                                      direction=direction, gate=gate, tokens=sum(p.lengths))
             assert pieces.choose(None, p, direction, gate) == want, (B, T, H, K, V, cu)
             seen.add(want > 1)
     assert seen == {False, True}, "both answers drawn"
@@ -706,6 +706,10 @@ def test_explicit_pieces_only_below_two_waves():
     small = Case(Shape(1, 20000, 2, 64, 64), "bwd")  # 2 programs, 20k tokens
     assert bench.explicit_pieces(small, 132) == [1, 2, 4, 8, 16]  # pieces of >= 1,024 tokens
     assert bench.explicit_pieces(Case(Shape(1, 1500, 2), "fwd"), 132) == [1]
+    # a packed batch counts the programs its longest walk keeps busy: 1,200 programs of 64×64 tiles,
+    # but one 20,000-token sequence beside 299 of 1,000 keeps 4 × 319,000 / 20,000 = 63.8 busy
+    packed = Case(Shape(1, 319000, 1, 128, 128, lens=(20000,) + (1000,) * 299), "bwd")
+    assert bench.programs_64(packed.shape) == 1200 and bench.explicit_pieces(packed, 132) == [1, 2, 4, 8, 16]
 
 
 def test_run_case_times_the_explicit_piece_counts(monkeypatch):

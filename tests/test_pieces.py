@@ -9,6 +9,8 @@ launches, and a call captured in a CUDA graph takes the model's count without ti
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,56 @@ def test_grids_of_half_a_wave_and_short_sequences_are_never_timed(as_on_a_gpu, m
     assert _choose(_problem(8, 65536, 16, 128, 128), trial, monkeypatch=monkeypatch) == 1  # 512 programs
     assert _choose(_problem(1, 2047, 2, 128, 128), trial, monkeypatch=monkeypatch) == 1  # one count open: 1
     assert trial.ran == [] and pieces._CHOSEN == {} and pieces._TIMED == {}
+
+
+def test_a_packed_batch_is_judged_by_the_programs_its_longest_walk_keeps_busy(as_on_a_gpu, monkeypatch):
+    """52 sequences at H1 K64 V256 are 208 programs of 64×64 tiles, over half a wave of an H200's 132
+    SMs. All 8,192 tokens long (dense) they keep 208 busy to the end: never cut, nothing timed. Packed,
+    one 8,192 long and 51 of 512, the short ones end a sixteenth into the longest's walk, and the
+    programs busy on average are 4 × 34,304 / 8,192 = 16.75: the cut is open, the counts are timed."""
+    assert pieces.programs_64(52, 1, 64, 256) == 208 and pieces.never_cut(208, SMS)
+    for N, H, K, V, T in ((52, 1, 64, 256, 8192), (3, 20, 100, 128, 777), (1, 4, 256, 256, 1)):
+        assert pieces.busy_programs(H, K, V, N * T, T) == pieces.programs_64(N, H, K, V), "dense: programs_64"
+    lens = [8192] + [512] * 51
+    assert pieces.busy_programs(1, 64, 256, sum(lens), max(lens)) == 16.75
+    dense = FakeTrial({})
+    assert _choose(_problem(52, 8192, 1, 64, 256), dense, monkeypatch=monkeypatch) == 1 and dense.ran == []
+    packed = _problem(1, sum(lens), 1, 64, 256, torch.tensor([0, *itertools.accumulate(lens)]))
+    model = pieces.auto_pieces(52, 1, 64, 256, 8192, 64, SMS, 64, direction="bwd", gate="gk", tokens=sum(lens))
+    counts = pieces.trial_counts(model, 8192, 64)
+    assert counts == (1, 2, 4, 8)
+    trial = FakeTrial({1: 158.0, 2: 143.0, 4: 124.0, 8: 125.0})
+    assert _choose(packed, trial, "bwd", "gk", monkeypatch) == 4 and trial.timed == list(counts)
+    # and the model itself weighs the busy programs: without them (tokens = 52 × 8192) it never cuts
+    assert pieces.auto_pieces(52, 1, 64, 256, 8192, 64, SMS, 64, direction="bwd", gate="gk") == 1
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_a_default_call_times_the_whole_call_with_each_count(direction, as_on_a_gpu, monkeypatch):
+    """What a default call times for each count is its wrapper's whole call with ``pieces=P`` (checks,
+    allocations and launch: what a caller pays), not the launch alone: where the host's time shows,
+    a count whose launch is faster can be the slower call (figures/README.md, session 28). Each
+    count's whole call runs once, then once more inside the timer, with the caller's arguments."""
+    from chunkstate import backward, forward
+
+    module, name = (forward, "chunk_fwd_h") if direction == "fwd" else (backward, "chunk_bwd_dh")
+    wrapper, calls = getattr(module, name), []
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs["pieces"], kwargs["config"], args[-1]))  # states_in_fp32, last either way
+        return wrapper(*args, **kwargs)
+    monkeypatch.setattr(module, name, recorded)
+    monkeypatch.setattr(pieces, "_median_time", lambda fn: (fn(), 10.0 * fn.args[0])[1])  # one pass fastest
+    B, T, H, K, V = 1, 4096, 1, 32, 32
+    k, v, q, do = (torch.randn(B, T, H, D) for D in (K, V, K, V))
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H) + 3), 64)
+    if direction == "fwd":
+        wrapper(k, v, g=g, output_final_state=True, states_in_fp32=True)
+    else:
+        wrapper(q, k, v, do, None, torch.randn(B, H, K, V), 0.5, g=g, states_in_fp32=True)
+    assert [P for P, _, _ in calls] == [1, 2, 4] * 2, "each count's whole call: run once, then timed"
+    assert all(config is None and fp32 is True for _, config, fp32 in calls), "with the caller's arguments"
+    assert list(pieces._CHOSEN.values()) == [1]
 
 
 def test_without_a_trial_or_while_capturing_the_models_count_untimed(as_on_a_gpu, monkeypatch):

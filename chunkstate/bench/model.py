@@ -217,13 +217,14 @@ def programs_64(shape: Shape) -> int:
 
 
 def explicit_pieces(case: Case, sms: int) -> list[int]:
-    """The piece counts the random mode times beside chunkstate's own choice: where one pass has
-    under two waves of 64×64 programs (``programs_64`` < 2 ``sms``), 1 and each of 2, 4, .., 32
-    leaving pieces of at least 1,024 tokens of the longest sequence; elsewhere none (a second pass
-    cannot pay once the GPU is full)."""
-    if programs_64(case.shape) >= 2 * sms:
+    """The piece counts the random mode times beside chunkstate's own choice: where one pass keeps
+    under two waves of 64×64 programs busy (``pieces.busy_programs`` < 2 ``sms``: for a dense batch
+    ``programs_64``), 1 and each of 2, 4, .., 32 leaving pieces of at least 1,024 tokens of the
+    longest sequence; elsewhere none (a second pass cannot pay once the GPU is full)."""
+    s = case.shape
+    longest = max(s.lengths, default=0)
+    if pieces.busy_programs(s.H, s.K, s.V, sum(s.lengths), longest) >= 2 * sms:
         return []
-    longest = max(case.shape.lengths, default=0)
     return [1] + [P for P in (2, 4, 8, 16, 32) if longest >= P * max(1024, case.BS)]
 
 
@@ -347,17 +348,21 @@ def geomean(xs) -> float | None:
 
 # ---------------------------------------------------------------- what a first call launches
 
-def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str, gate: str = "g") -> int:
+def predicted_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, direction: str, gate: str = "g",
+                     tokens: int | None = None) -> int:
     """``pieces.auto_pieces`` as the wrapper calls it on this machine's GPU (``tuning.sm_count()``),
     and without a GPU as an H200 would (``tuning.H200_SMS``): a pure function of its arguments
-    (``gate``: the case's gate, a ``pieces.gate_kind``)."""
-    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction=direction, gate=gate)
+    (``gate``: the case's gate, a ``pieces.gate_kind``; ``tokens``: a packed batch's, default N ·
+    ``max_len``)."""
+    return pieces.auto_pieces(N, H, K, V, max_len, BS, tuning.sm_count(), BT, direction=direction, gate=gate,
+                              tokens=tokens)
 
 
 def case_pieces(case: Case) -> int:
-    """The pieces chunkstate's wrapper chooses for ``case`` (``predicted_pieces``)."""
+    """The pieces chunkstate's wrapper's cost model proposes for ``case`` (``predicted_pieces``)."""
     s = case.shape
-    return predicted_pieces(s.N, s.H, s.K, s.V, max(s.lengths, default=0), case.BS, case.direction, case.gate)
+    return predicted_pieces(s.N, s.H, s.K, s.V, max(s.lengths, default=0), case.BS, case.direction, case.gate,
+                            tokens=sum(s.lengths))
 
 
 def tried_configs(K: int, V: int, bucket: int, gate: str) -> list[tuple]:
