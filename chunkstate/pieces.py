@@ -240,6 +240,8 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
 MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS);
 # the benchmark's explicit counts reach down as far (bench.explicit_pieces)
+WHOLE_CALL_BYTES = 256 << 20  # states up to this are timed in the whole call (``dispatch``): 50 µs of writes
+# on an H200, about the host's time of a call
 MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
 _CHOSEN: dict[tuple, int] = {}  # exact call -> count
 _TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose
@@ -328,7 +330,9 @@ def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, 
     Where ``choose`` times the counts it weighs, it times ``call(P)``: the wrapper's whole call with
     ``pieces=P``, its checks and allocations included, since that is what a caller pays, and where a
     call's host time exceeds its GPU time a count that costs the host more is slower though its
-    launch alone is faster (figures/README.md, session 28); without ``call``, this launch alone."""
+    launch alone is faster (figures/README.md, session 28). Without ``call``, or where ``states``
+    outgrow ``WHOLE_CALL_BYTES`` (each timed call would hold a second set of them, and writing them
+    takes longer than the host's part anyway), this launch alone."""
     def launch_in(P: int) -> None:
         if P == 1 or p.H * p.K * p.V == 0:  # (no state element, states and end empty: no launch, nothing to cut)
             run_pass(cu_seqlens=p.cu_seqlens, split_offsets=p.split_offsets, N=p.N, states=states, start=start,
@@ -337,7 +341,8 @@ def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, 
             # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
             run(run_pass, p, P, states, start, end, use_gv, reverse=direction == "bwd")
 
-    launch_in(choose(pieces, p, direction, gate, trial=call or launch_in, tag=tag))
+    whole = call is not None and states.numel() * states.element_size() <= WHOLE_CALL_BYTES
+    launch_in(choose(pieces, p, direction, gate, trial=call if whole else launch_in, tag=tag))
 
 
 def plan(lengths, BS: int, pieces: int) -> tuple[list[int], list[int]]:

@@ -169,15 +169,27 @@ def test_a_default_call_times_the_whole_call_with_each_count(direction, as_on_a_
     monkeypatch.setattr(module, name, recorded)
     monkeypatch.setattr(pieces, "_median_time", lambda fn: (fn(), 10.0 * fn.args[0])[1])  # one pass fastest
     B, T, H, K, V = 1, 4096, 1, 32, 32
-    k, v, q, do = (torch.randn(B, T, H, D) for D in (K, V, K, V))
-    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H) + 3), 64)
-    if direction == "fwd":
-        wrapper(k, v, g=g, output_final_state=True, states_in_fp32=True)
-    else:
-        wrapper(q, k, v, do, None, torch.randn(B, H, K, V), 0.5, g=g, states_in_fp32=True)
+    device = chunkstate.DEVICE
+    k, v, q, do = (torch.randn(B, T, H, D, device=device) for D in (K, V, K, V))
+    dht = torch.randn(B, H, K, V, device=device)
+    g = gates.chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H, device=device) + 3), 64)
+
+    def run():
+        if direction == "fwd":
+            return wrapper(k, v, g=g, output_final_state=True, states_in_fp32=True)
+        return wrapper(q, k, v, do, None, dht, 0.5, g=g, states_in_fp32=True)
+    want, _ = run()
     assert [P for P, _, _ in calls] == [1, 2, 4] * 2, "each count's whole call: run once, then timed"
     assert all(config is None and fp32 is True for _, config, fp32 in calls), "with the caller's arguments"
     assert list(pieces._CHOSEN.values()) == [1]
+    # states past WHOLE_CALL_BYTES: the launch alone is timed (a second set of them is not allocated)
+    assert want.numel() * 4 == B * (T // 64) * H * K * V * 4 <= pieces.WHOLE_CALL_BYTES
+    monkeypatch.setattr(pieces, "WHOLE_CALL_BYTES", want.numel() * 4 - 1)
+    pieces.clear_choices()
+    calls.clear()
+    got, _ = run()
+    assert calls == [] and list(pieces._CHOSEN.values()) == [1], "timed, by the launch alone"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_without_a_trial_or_while_capturing_the_models_count_untimed(as_on_a_gpu, monkeypatch):
