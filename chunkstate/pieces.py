@@ -27,9 +27,10 @@ whatever its size; as one, about 10-40 µs more than one pass (figures/README.md
 23). A batch with an empty sequence, which owns no piece and so no program to store its end state, takes
 the three launches. The pieces pay only for long sequences far below one wave of programs:
 a default call (``pieces=None``, ``choose``) asks a cost model measured per direction (``COSTS``,
-``predicted_us``, ``auto_pieces``) for a count, then times that count, its neighbours and one pass
-(``trial_counts``) on its first call and keeps the fastest, as the autotuner keeps a config
-(``timed_choice``); ``chunk_fwd_h(..., pieces=P)`` lets the caller choose (``pieces=1``: never split).
+``predicted_us``, ``auto_pieces``) for a count, then times the caller's whole call with that count,
+its neighbours and one pass (``trial_counts``) on its first call and keeps the fastest, as the
+autotuner keeps a config (``timed_choice``); ``chunk_fwd_h(..., pieces=P)`` lets the caller choose
+(``pieces=1``: never split).
 
 This module sits above the launch path (``launch``): ``forward.py`` and ``backward.py`` hand
 ``dispatch`` one function that launches their kernel over a packed batch; it calls that function
@@ -153,7 +154,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
                 direction: str, gate: str = "g", tokens: int | None = None) -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
     own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors:
-    1 unless one pass has under half a wave of programs (64×64 tiles) and the cost model
+    1 unless one pass keeps under half a wave of programs busy (64×64 tiles) and the cost model
     (``predicted_us``) says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS``
     tokens and one split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds
     fastest (of equals, as where the host's time floors them all, the fewest pieces: the least scan
@@ -227,10 +228,11 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # (10-80 µs more than one pass, figures/README.md, sessions 19-23) is as large as the gain the model
 # weighs it against below ~0.2 ms; so where a cut is open, the count a default call uses is timed,
 # as the autotuner times configs: the model proposes (``trial_counts``: its count, half, twice and
-# four times it, and one pass), each is run once (compiling and tuning its launch), then timed by
-# ``tuning.autotune_timing``, and the fastest is kept (of equals, the fewest pieces). This rule was
-# chosen on the explicit counts timed in the earlier random runs (figures/README.md, session 27);
-# it is judged on seeds drawn after it.
+# four times it, and one pass), each count's whole call (``dispatch``'s ``call``) is run once
+# (compiling and tuning its launch), then timed by ``tuning.autotune_timing``, and the fastest is kept
+# (of equals, the fewest pieces). This rule was chosen on the explicit counts timed in the earlier
+# random runs (figures/README.md, session 27) and judged on three seeds drawn after it, which it
+# timed by the launch alone (session 28); runs after the whole call was timed judge it again.
 #
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
 # bit length (``timing_class``), so a training run whose packed batches differ in length every step
