@@ -247,6 +247,7 @@ WHOLE_CALL_BYTES = 256 << 20  # states up to this are timed in the whole call (`
 MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
 _CHOSEN: dict[tuple, int] = {}  # exact call -> count
 _TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose
+_TRIAL_MS: dict[tuple, dict[int, float]] = {}  # ``timing_key`` -> each count's timed ms (what it chose by)
 
 
 def trial_counts(model: int, longest: int, BS: int) -> tuple[int, ...]:
@@ -297,7 +298,9 @@ def timed_choice(trial, counts: tuple[int, ...], key: tuple) -> int:
     chosen = min(counts, key=lambda P: (times[P], P))
     if len(_TIMED) >= MAX_CHOSEN:
         _TIMED.clear()
+        _TRIAL_MS.clear()
     _TIMED[key] = chosen
+    _TRIAL_MS[key] = times
     return chosen
 
 
@@ -318,11 +321,18 @@ def choices() -> dict[tuple, int]:
     return dict(_CHOSEN)
 
 
+def trial_times() -> dict[tuple, dict[int, float]]:
+    """What each timing measured, by its ``timing_key``: each count's median in ms (a copy), the
+    numbers the kept count was chosen by; the benchmark records them beside its own timings."""
+    return {key: dict(times) for key, times in _TRIAL_MS.items()}
+
+
 def clear_choices() -> None:
     """Forget every timed count (tests; or to time again after the GPU's load changed)."""
     with serialised():
         _CHOSEN.clear()
         _TIMED.clear()
+        _TRIAL_MS.clear()
 
 
 def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, direction: str, gate: str,

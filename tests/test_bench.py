@@ -741,8 +741,8 @@ def test_run_case_times_the_explicit_piece_counts(monkeypatch):
 def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
     """Each case's default call chooses afresh (the counts kept by earlier cases are forgotten).
     Where its first run timed the counts open to it (``pieces.choose``), the record's ``pieces`` is
-    the count it kept, ``pieces_model`` the model's; where it timed nothing, ``pieces`` stays the
-    model's (``case_pieces``) and there is no ``pieces_model``."""
+    the count it kept, ``pieces_model`` the model's, ``pieces_trial_ms`` what its timing measured; where
+    it timed nothing, ``pieces`` stays the model's (``case_pieces``) and there is neither."""
     case = Case(Shape(1, 65536, 2), "fwd")
     model = bench.case_pieces(case)
     assert model > 1
@@ -753,6 +753,7 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
             assert pieces.choices() == {}, "an earlier case's count forgotten"
             if kept:  # the default call: as if it had timed its counts and kept one pass
                 pieces._CHOSEN[("a key of this call",)] = kept.pop(True)
+                pieces._TRIAL_MS[("its class",)] = {1: 0.05, 8: 0.07}
         return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
 
     monkeypatch.setattr(runner, "_first", fake_first)
@@ -762,8 +763,9 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
     try:
         r = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
         assert (r["pieces"], r["pieces_model"]) == (1, model)
+        assert r["pieces_trial_ms"] == {"1": 0.05, "8": 0.07}, "what the first call's timing measured"
         again = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])  # nothing timed this time
-        assert again["pieces"] == model and "pieces_model" not in again
+        assert again["pieces"] == model and "pieces_model" not in again and "pieces_trial_ms" not in again
     finally:
         pieces.clear_choices()
 

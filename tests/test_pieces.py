@@ -98,6 +98,7 @@ def test_the_fastest_count_is_timed_once_and_kept(as_on_a_gpu, monkeypatch):
     trial = FakeTrial(times)
     assert _choose(p, trial, monkeypatch=monkeypatch) == counts[1]
     assert trial.ran == list(counts) * 2 and trial.timed == list(counts), "each run once, then timed once"
+    assert list(pieces.trial_times().values()) == [times], "what the timing measured, kept beside its choice"
 
     again = FakeTrial(times)
     assert _choose(p, again, monkeypatch=monkeypatch) == counts[1]
