@@ -121,8 +121,9 @@ def busy_programs(H: int, K: int, V: int, tokens: int, longest: int) -> float:
     keeps busy on average while the longest one walks: ``programs_64`` of one sequence × tokens /
     longest. For a dense batch of N sequences that is ``programs_64`` (N·T / T = N); for a packed one
     it is less by the longest length over the mean, since the programs of the short sequences are done
-    long before the longest's: N52 sequences whose longest is 8.6× the mean keep 24 programs busy,
-    not 208, and the longest walk sets the time as it does for 24 sequences."""
+    long before the longest's: at H1 K64 V256, one sequence of 8,192 tokens and 51 of 512 keep 16.75
+    programs busy (4 × 34,304 / 8,192), not 208, and the longest walk sets the time as it would for
+    about 4 sequences of 8,192."""
     return programs_64(1, H, K, V) * tokens / longest if longest else 0.0
 
 
@@ -186,11 +187,13 @@ def never_cut(programs: float, sms: int) -> bool:
 def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple = ()) -> int:
     """Validate the caller's ``pieces`` and return the count to use. ``None`` decides for this device,
     ``direction`` and gate kind (``gate_kind``): 1 under the interpreter (nothing runs in parallel)
-    and for grids of half a wave or more (``never_cut``); otherwise the fastest of ``trial_counts``
-    (the cost model's count, its neighbours and one pass), timed once per ``timing_key`` by calling
-    ``trial(P)`` (``timed_choice``), where a ``trial`` is given and more than one count is open;
-    else ``auto_pieces``, the model's count. ``tag``: what else the timing depends on (dtypes,
-    optional states), from the wrapper."""
+    and where the programs busy are half a wave or more (``busy_programs``, ``never_cut``); else the
+    cut is open, and the answer is the fastest of ``trial_counts`` (the cost model's count, its
+    neighbours and one pass), timed once per ``timing_key`` by calling ``trial(P)``
+    (``timed_choice``) and fitted to this call's length (``fit``), where a ``trial`` is given, more
+    than one count is open, ``TIME_PIECES`` is set and no CUDA graph is being captured; otherwise
+    ``auto_pieces``, the model's count, untimed and not kept. ``tag``: what else the timing depends
+    on (dtypes, optional states), from the wrapper."""
     if pieces is None:
         if INTERPRET:
             return 1
@@ -235,8 +238,8 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 # timed by the launch alone (session 28); runs after the whole call was timed judge it again.
 #
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
-# bit length (``timing_class``), so a training run whose packed batches differ in length every step
-# times each size class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a
+# bit length (``timing_class``) and its tokens over the longest by theirs, so a training run whose
+# packed batches of N sequences differ in lengths every step times each class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a
 # repeated call pays one dictionary lookup.
 
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
@@ -338,7 +341,7 @@ def clear_choices() -> None:
 def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, direction: str, gate: str,
              use_gv: bool, tag: tuple = (), call=None) -> None:
     """A wrapper's launch: ``run_pass`` over the whole batch (one pass) or ``run`` in the count
-    ``choose`` returns; both fill ``states`` and ``end`` in place. ``run_pass`` as ``run`` takes it.
+    ``choose`` returns; both fill ``states`` and ``end`` in place (``run_pass`` is what ``run`` takes).
     Where ``choose`` times the counts it weighs, it times ``call(P)``: the wrapper's whole call with
     ``pieces=P``, its checks and allocations included, since that is what a caller pays, and where a
     call's host time exceeds its GPU time a count that costs the host more is slower though its

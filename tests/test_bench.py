@@ -1308,8 +1308,8 @@ def test_readme_random_table_counts_as_the_summaries_do():
     assert lines[3] == ("| floor ≥ 0.1 ms | 3 | 2 | 1.24 (forward 1.41, backward 0.96) | 0.96× (d, one pass) "
                         "| 1.30× (c) |")
     assert lines[5] == ("Auto pieces, where the runs also timed explicit counts (one pass under two waves of "
-                        "programs): chunkstate's own choice within 3 % of the best count in **1 of 2** cases as timed, its count "
-                        "in 1 of 2 judged by the explicit timings; worst 1.50× (b).")
+                        "programs): chunkstate's own choice within 3 % of the best count in **1 of 2** cases as "
+                        "timed (worst 1.50×, b), its count in 1 of 2 judged by the explicit timings (worst 1.20×, b).")
 
 
 def test_the_readme_quotes_the_fixed_suite():

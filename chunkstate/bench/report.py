@@ -168,7 +168,7 @@ def readme_random_table(reports: list[dict]) -> str:
     at least ``WIN_AT``× as fast as fla, the geometric mean of fla / chunkstate, overall and by
     direction, the worst case with its piece count, chunkstate's worst time over the floor), then
     a line on auto pieces against the best explicit count (as timed, and its count judged by the
-    explicit timings: ``random_summary``'s). ``tests/test_bench.py`` checks that the README quotes
+    explicit timings: ``random_summary``'s; the worst case of each). ``tests/test_bench.py`` checks that the README quotes
     this for the runs it names."""
     cases = [r for rep in reports for r in rep["cases"] if not r.get("skipped") and r.get("fla_over_ours")]
     sums = [random_summary(rep) for rep in reports]
@@ -185,12 +185,15 @@ def readme_random_table(reports: list[dict]) -> str:
                      f"{_fmt(g['bwd'], '.2f')}) | {worst['fla_over_ours']:.2f}× ({worst['case']}, {cut}) | "
                      f"{over['ours']['x_floor']:.2f}× ({over['case']}) |")
     total = lambda key: sum(s[key] for s in sums)  # noqa: E731
-    worst_auto = max((s["pieces_worst"] for s in sums if s["pieces_worst"]), default=None)
+
+    def worst(key):  # " (worst 1.38×, its case)" over the runs, or nothing
+        w = max((s[key] for s in sums if s[key]), default=None)
+        return "" if w is None else f" (worst {w[0]:.2f}×, {w[1]})"
     lines += ["", f"Auto pieces, where the runs also timed explicit counts (one pass under two waves of programs): "
-                  f"chunkstate's own choice within {round(100 * (PIECES_SLACK - 1))} % of the best count in "
-                  f"**{total('pieces_ok')} of {total('pieces_explored')}** cases as timed, its count in "
-                  f"{total('choice_ok')} of {total('choices_explored')} judged by the explicit timings"
-                  + ("" if worst_auto is None else f"; worst {worst_auto[0]:.2f}× ({worst_auto[1]})") + "."]
+                  f"chunkstate's own choice within {round(100 * (PIECES_SLACK - 1))} % of the best "
+                  f"count in **{total('pieces_ok')} of {total('pieces_explored')}** cases as timed"
+                  f"{worst('pieces_worst')}, its count in {total('choice_ok')} of {total('choices_explored')} judged "
+                  f"by the explicit timings{worst('choice_worst')}."]
     return "\n".join(lines)
 
 
