@@ -239,8 +239,8 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
 #
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
 # bit length (``timing_class``) and its tokens over the longest by theirs, so a training run whose
-# packed batches of N sequences differ in lengths every step times each class once, not every step. Each exact call is remembered apart (``_CHOSEN``), so a
-# repeated call pays one dictionary lookup.
+# packed batches of N sequences differ in lengths every step times each class once, not every step.
+# Each exact call is remembered apart (``_CHOSEN``), so a repeated call pays one dictionary lookup.
 
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
 MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS);
@@ -356,7 +356,7 @@ def dispatch(pieces, p: Problem, run_pass, states: torch.Tensor, start, end, *, 
             # [1, B·T, ...]: a packed launch finds each piece's rows from its offsets alone, so nothing is reshaped
             run(run_pass, p, P, states, start, end, use_gv, reverse=direction == "bwd")
 
-    whole = call is not None and states.numel() * states.element_size() <= WHOLE_CALL_BYTES
+    whole = call is not None and states.nbytes <= WHOLE_CALL_BYTES
     launch_in(choose(pieces, p, direction, gate, trial=call if whole else launch_in, tag=tag))
 
 

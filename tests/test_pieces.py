@@ -184,8 +184,8 @@ def test_a_default_call_times_the_whole_call_with_each_count(direction, as_on_a_
     assert all(config is None and fp32 is True for _, config, fp32 in calls), "with the caller's arguments"
     assert list(pieces._CHOSEN.values()) == [1]
     # states past WHOLE_CALL_BYTES: the launch alone is timed (a second set of them is not allocated)
-    assert want.numel() * 4 == B * (T // 64) * H * K * V * 4 <= pieces.WHOLE_CALL_BYTES
-    monkeypatch.setattr(pieces, "WHOLE_CALL_BYTES", want.numel() * 4 - 1)
+    assert want.nbytes == B * (T // 64) * H * K * V * 4 <= pieces.WHOLE_CALL_BYTES
+    monkeypatch.setattr(pieces, "WHOLE_CALL_BYTES", want.nbytes - 1)
     pieces.clear_choices()
     calls.clear()
     got, _ = run()

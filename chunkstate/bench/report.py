@@ -168,8 +168,8 @@ def readme_random_table(reports: list[dict]) -> str:
     at least ``WIN_AT``× as fast as fla, the geometric mean of fla / chunkstate, overall and by
     direction, the worst case with its piece count, chunkstate's worst time over the floor), then
     a line on auto pieces against the best explicit count (as timed, and its count judged by the
-    explicit timings: ``random_summary``'s; the worst case of each). ``tests/test_bench.py`` checks that the README quotes
-    this for the runs it names."""
+    explicit timings: ``random_summary``'s; the worst case of each). ``tests/test_bench.py`` checks
+    that the README quotes this for the runs it names."""
     cases = [r for rep in reports for r in rep["cases"] if not r.get("skipped") and r.get("fla_over_ours")]
     sums = [random_summary(rep) for rep in reports]
     lines = ["| cases | count | chunkstate at least 0.97× fla | fla / chunkstate, geometric mean | worst "

@@ -333,8 +333,8 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
     kept = list(pieces.choices().values())
     if kept:  # the first call timed the counts open to it (pieces.choose): it runs in the one it kept
         r["pieces_model"], r["pieces"] = r["pieces"], kept[0]
-        for times in pieces.trial_times().values():  # what that timing measured, to read beside the rounds'
-            r["pieces_trial_ms"] = {str(P): ms for P, ms in times.items()}
+        times = list(pieces.trial_times().values())[0]  # what that timing measured, to read beside the rounds'
+        r["pieces_trial_ms"] = {str(P): ms for P, ms in times.items()}
     ours_ran = calls["ours"] is not None
     if one_pass_too(case, explore) and ours_ran:  # what the pieces bought (or cost)
         r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
