@@ -114,24 +114,24 @@ def split_slots(lengths, split_size: int, device) -> tuple[int, torch.Tensor]:
     return offsets[-1], on_device(offsets, torch.int64, device)
 
 
-def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[tuple[int, ...], int, torch.Tensor | None]:
+def splits(cu_host, B: int, T: int, split_size: int, device) -> tuple[tuple[int, ...], int, int, torch.Tensor | None]:
     """What a kernel wrapper needs to size and launch, from validated host offsets ``cu_host`` (None
-    for a dense batch): the sequence lengths, NS, and each packed sequence's first split slot (None
-    for a dense batch, whose slots follow from T)."""
+    for a dense batch): the sequence lengths, the longest of them (0 for none), NS, and each packed
+    sequence's first split slot (None for a dense batch, whose slots follow from T)."""
     if cu_host is None:
-        return (T,) * B, -(-T // split_size), None
+        return (T,) * B, T if B else 0, -(-T // split_size), None
     return packed_splits(tuple(cu_host), split_size, device)
 
 
 @functools.lru_cache(maxsize=MAX_ENTRIES)
-def packed_splits(cu_host: tuple[int, ...], split_size: int, device) -> tuple[tuple[int, ...], int, torch.Tensor]:
+def packed_splits(cu_host: tuple[int, ...], split_size: int, device) -> tuple[tuple[int, ...], int, int, torch.Tensor]:
     """``splits`` of a packed batch, made once per (offsets, split size, device): by the values, so
     never stale. A repeated call of N sequences would otherwise walk them in Python several times,
     ~8 µs at N = 64 on this project's CPU machine, several times that on an H200's slower host
     (figures/README.md, session 23)."""
     lens = tuple(lengths(cu_host))
     NS, first_slots = split_slots(lens, split_size, device)
-    return lens, NS, first_slots
+    return lens, max(lens, default=0), NS, first_slots
 
 
 # The current CUDA device's index and stream, as ``torch.cuda.current_device()`` and

@@ -53,6 +53,7 @@ class Problem(NamedTuple):
     BT: int
     BS: int
     lengths: tuple[int, ...]
+    longest: int  # the longest sequence's length (0 for none): its walk sets the time of a launch
     NS: int
     cu_seqlens: torch.Tensor | None  # [N + 1] the validated offsets the kernels read (packed batches)
     split_offsets: torch.Tensor | None  # [N + 1] int64 first state slot of each packed sequence
@@ -72,8 +73,8 @@ def problem(like: torch.Tensor, B: int, T: int, H: int, K: int, V: int, cu_seqle
     BT, BS = _validate.sizes(chunk_size, split_size)
     cu_seqlens, cu_host, N = _validate.cu_seqlens(cu_seqlens, B, T, like=like)
     # host offsets are cached per tensor: a repeated packed call waits for nothing on the device
-    lengths, NS, split_offsets = _host.splits(cu_host, B, T, BS, like.device)
-    return Problem(B, T, H, K, V, N, BT, BS, tuple(lengths), NS, cu_seqlens, split_offsets, state_v_first,
+    lengths, longest, NS, split_offsets = _host.splits(cu_host, B, T, BS, like.device)
+    return Problem(B, T, H, K, V, N, BT, BS, tuple(lengths), longest, NS, cu_seqlens, split_offsets, state_v_first,
                    like.get_device())
 
 

@@ -197,19 +197,20 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
     if pieces is None:
         if INTERPRET:
             return 1
-        sms = tuning.sm_count(p.device)
-        # never_cut asked before any cache: every default call asks, and on an H200's host a cached
-        # call (its key hashed from ten arguments) cost a small call ~2-5 % of its time against
-        # pieces=1 (figures/README.md, "session 17")
-        longest = p.T if p.cu_seqlens is None else max(p.lengths, default=0)
-        if never_cut(busy_programs(p.H, p.K, p.V, p.B * p.T, longest), sms):
+        # Every default call asks this, and where a call's host time shows in its time (calls of
+        # under ~0.1 ms on an H200's host) each µs of it counts against pieces=P, which asks nothing:
+        # so never_cut(busy_programs(...)) in integers, with no call (programs_64 of one sequence ×
+        # tokens ≥ half a wave × the longest; test_pieces checks it against the two), before any key
+        # is hashed (a cached call cost a small call 2-5 % against pieces=1, figures/README.md,
+        # "session 17"; the calls, ~1.5 µs more, the default's excess in session 28's runs).
+        sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
+        if p.H * ((p.K + 63) >> 6) * ((p.V + 63) >> 6) * tokens >= sms // 2 * longest:
             return 1
-        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, p.B * p.T, longest, p.BS, p.BT, p.state_v_first,
-                 p.device)
+        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, tokens, longest, p.BS, p.BT, p.state_v_first, p.device)
         chosen = _CHOSEN.get(exact)
         if chosen is None:
             model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate,
-                                tokens=p.B * p.T)
+                                tokens=tokens)
             counts = trial_counts(model, longest, p.BS)
             if trial is None or not TIME_PIECES or len(counts) == 1 or _capturing(p.device):
                 return model  # not kept: a later call with a trial times it

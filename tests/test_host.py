@@ -123,7 +123,7 @@ def test_split_offsets_match_the_device_version(split_size, device):
 
 
 def test_what_follows_from_the_offsets_is_made_once_per_values(device):
-    """``splits`` of a packed batch: its lengths, NS and first split slots made once per (offsets,
+    """``splits`` of a packed batch: its lengths, the longest, NS and first split slots made once per (offsets,
     split size, device) (``packed_splits``), equal to the dense computation's, with a tuple of
     lengths; equal offsets in another tuple find the same entry; ``_host.clear`` forgets them. The
     offsets' checks are cached by value too, but a bad set raises on every call."""
@@ -131,14 +131,15 @@ def test_what_follows_from_the_offsets_is_made_once_per_values(device):
     host = _host.host_offsets(_cu(lens, device))
     split = random.choice([16, 64])
     first = _host.splits(host, 1, sum(lens), split, torch.device(device))
-    assert first[0] == tuple(lens) and first[1] == sum(-(-L // split) for L in lens)
-    assert first[2].tolist() == list(_host.split_offsets(lens, split))
-    assert first[2].device.type == torch.device(device).type
+    assert first[0] == tuple(lens) and first[1] == max(lens) and first[2] == sum(-(-L // split) for L in lens)
+    assert first[3].tolist() == list(_host.split_offsets(lens, split))
+    assert first[3].device.type == torch.device(device).type
     again = _host.splits(tuple(list(host)), 1, sum(lens), split, torch.device(device))  # equal values, another tuple
     assert again is first
     _host.clear()
     assert _host.splits(host, 1, sum(lens), split, torch.device(device)) is not first
-    assert _host.splits(None, 3, 100, 64, None) == ((100, 100, 100), 2, None)  # dense: nothing cached
+    assert _host.splits(None, 3, 100, 64, None) == ((100, 100, 100), 100, 2, None)  # dense: nothing cached
+    assert _host.splits(None, 0, 100, 64, None) == ((), 0, 2, None)  # no sequence: none the longest
     bad = (0, 5, 3, sum(lens))
     for _ in range(2):  # never cached: every call with these offsets raises
         with pytest.raises(ValueError, match="non-decreasing"):

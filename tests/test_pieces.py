@@ -153,6 +153,44 @@ def test_a_packed_batch_is_judged_by_the_programs_its_longest_walk_keeps_busy(as
     assert pieces.auto_pieces(52, 1, 64, 256, 8192, 64, SMS, 64, direction="bwd", gate="gk") == 1
 
 
+def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_on_a_gpu, monkeypatch):
+    """``choose`` writes ``never_cut(busy_programs(...))`` in integers on its hot path: the same
+    answer on random dense and packed batches (empty sequences among them) and on shapes right at
+    the line (busy programs of exactly half a wave, and just under). Past the line it asks the model,
+    here a stand-in answering 7, untimed (``TIME_PIECES`` off); at or over it, it answers 1 asking
+    nothing; a batch with no tokens is never cut."""
+    import random
+    rng = random.Random()
+    shapes = []
+    for _ in range(300):
+        H, K, V = rng.choice([1, 2, 3, 5, 8, 20]), rng.choice([16, 64, 100, 128, 256]), rng.choice([32, 64, 130, 256])
+        if rng.random() < 0.5:
+            shapes.append(_problem(rng.randint(1, 12), rng.randint(1, 40000), H, K, V))
+        else:
+            lens = [rng.choice([0, rng.randint(1, 3000), rng.randint(1, 40000)]) for _ in range(rng.randint(1, 40))]
+            shapes.append(_problem(1, sum(lens), H, K, V, torch.tensor([0, *itertools.accumulate(lens)])))
+    # 2 programs a sequence at H2 K = V = 64: 33 sequences of the longest's length are half of 132 SMs
+    shapes += [_problem(33, 8192, 2, 64, 64), _problem(32, 8192, 2, 64, 64),
+               _problem(1, 33 * 8192, 2, 64, 64, torch.tensor([0, *itertools.accumulate([8192] * 32 + [4096] * 2)])),
+               _problem(1, 33 * 8192 - 1, 2, 64, 64,
+                        torch.tensor([0, *itertools.accumulate([8192] * 32 + [4096, 4095])])),
+               _problem(1, 0, 2, 64, 64, torch.tensor([0, 0, 0]))]
+    assert pieces.busy_programs(2, 64, 64, 33 * 8192, 8192) == 66 == SMS // 2
+    monkeypatch.setattr(pieces, "TIME_PIECES", False)
+    monkeypatch.setattr(pieces, "auto_pieces", lambda *args, **kw: 7)
+    seen = {1: 0, 7: 0}
+    for p in shapes:
+        longest = max(p.lengths, default=0)
+        assert p.longest == longest
+        never = longest == 0 or pieces.never_cut(pieces.busy_programs(p.H, p.K, p.V, p.B * p.T, longest), SMS)
+        chosen = pieces.choose(None, p, "fwd", "g")
+        assert chosen == (1 if never else 7), (p.lengths[:5], p.H, p.K, p.V)
+        seen[chosen] += 1
+    assert seen[1] > 20 and seen[7] > 20, seen
+    assert [pieces.choose(None, p, "fwd", "g") for p in shapes[-5:]] == [1, 7, 1, 7, 1]
+    assert pieces._CHOSEN == {}
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_a_default_call_times_the_whole_call_with_each_count(direction, as_on_a_gpu, monkeypatch):
     """What a default call times for each count is its wrapper's whole call with ``pieces=P`` (checks,
