@@ -742,18 +742,21 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
     """Each case's default call chooses afresh (the counts kept by earlier cases are forgotten).
     Where its first run timed the counts open to it (``pieces.choose``), the record's ``pieces`` is
     the count it kept, ``pieces_model`` the model's, ``pieces_trial_ms`` what its timing measured; where
-    it timed nothing, ``pieces`` stays the model's (``case_pieces``) and there is neither."""
+    it kept one pass untimed (no count fitting its length), no ``pieces_trial_ms``; where it kept
+    nothing, ``pieces`` stays the model's (``case_pieces``) and there is neither."""
     case = Case(Shape(1, 65536, 2), "fwd")
     model = bench.case_pieces(case)
     assert model > 1
-    kept = {True: 1}
+    kept = [("untimed", 1), ("timed", 1)]  # popped from the end: the timed first
 
     def fake_first(lib, jit, case, inp, **extra):
         if not extra:
             assert pieces.choices() == {}, "an earlier case's count forgotten"
-            if kept:  # the default call: as if it had timed its counts and kept one pass
-                pieces._CHOSEN[("a key of this call",)] = kept.pop(True)
-                pieces._TRIAL_MS[("its class",)] = {1: 0.05, 8: 0.07}
+            if kept:  # the default call: as if it had kept one pass, timing its counts, then not
+                how, P = kept.pop()
+                pieces._CHOSEN[("a key of this call",)] = P
+                if how == "timed":
+                    pieces._TRIAL_MS[("its class",)] = {1: 0.05, 8: 0.07}
         return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
 
     monkeypatch.setattr(runner, "_first", fake_first)
@@ -764,7 +767,9 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
         r = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
         assert (r["pieces"], r["pieces_model"]) == (1, model)
         assert r["pieces_trial_ms"] == {"1": 0.05, "8": 0.07}, "what the first call's timing measured"
-        again = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])  # nothing timed this time
+        untimed = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
+        assert (untimed["pieces"], untimed["pieces_model"]) == (1, model) and "pieces_trial_ms" not in untimed
+        again = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])  # nothing kept this time
         assert again["pieces"] == model and "pieces_model" not in again and "pieces_trial_ms" not in again
     finally:
         pieces.clear_choices()

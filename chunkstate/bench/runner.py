@@ -331,10 +331,11 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
     pieces.clear_choices()  # each case's first call chooses its count as a new process's would
     r["ours"], out, calls["ours"] = _configs_run(ours_at, lambda: _first(libs.ours, libs.ours_jit, case, inp))
     kept = list(pieces.choices().values())
-    if kept:  # the first call timed the counts open to it (pieces.choose): it runs in the one it kept
+    if kept:  # the cut was open to the first call (pieces.choose): it runs in the count it kept
         r["pieces_model"], r["pieces"] = r["pieces"], kept[0]
-        times = list(pieces.trial_times().values())[0]  # what that timing measured, to read beside the rounds'
-        r["pieces_trial_ms"] = {str(P): ms for P, ms in times.items()}
+    trials = list(pieces.trial_times().values())
+    if trials:  # that count was timed (not the one pass too short to cut): what the timing measured
+        r["pieces_trial_ms"] = {str(P): ms for P, ms in trials[0].items()}
     ours_ran = calls["ours"] is not None
     if one_pass_too(case, explore) and ours_ran:  # what the pieces bought (or cost)
         r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
