@@ -166,12 +166,23 @@ def test_summary_and_case_line():
 
 # -- JSON and figure
 
+def test_files_are_named_by_the_gpu_that_timed_them():
+    """A run writes ``bench_<gpu_tag>...``: a learner's GPU never overwrites the H200's committed runs."""
+    names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA GeForce RTX 4090": "rtx4090",
+             "NVIDIA A100-SXM4-80GB": "a100", "Tesla V100-SXM2-16GB": "v100", "NVIDIA RTX A6000": "rtxa6000",
+             "NVIDIA L40S": "l40s", "CPU": "cpu", "NVIDIA": "gpu"}
+    assert {name: bench.gpu_tag(name) for name in names} == names
+    for name in names:
+        assert bench.output_paths("figures", "random_s7", bench.gpu_tag(name))[0].name == \
+            f"bench_{names[name]}_random_s7.json"
+
+
 def test_json_and_png(tmp_path):
     report = _synthetic_report()
     report["cases"][0]["ours"]["p80"] = float("nan")
-    json_path, png_path = bench.output_paths(tmp_path / "out", "default")
+    json_path, png_path = bench.output_paths(tmp_path / "out", "default", "h200")
     assert (json_path.name, png_path.name) == ("bench_h200.json", "bench_h200.png")
-    assert bench.output_paths(tmp_path, "quick")[0].name == "bench_h200_quick.json"
+    assert bench.output_paths(tmp_path, "quick", "rtx4090")[0].name == "bench_rtx4090_quick.json"
     bench.write_json(report, json_path)
     back = json.loads(json_path.read_text())  # strict JSON: NaN written as null
     assert back["cases"][0]["ours"]["p80"] is None
@@ -266,7 +277,7 @@ def test_output_goes_where_the_caller_runs_it(capsys):
     """Outputs land under the current directory unless --out says otherwise, never beside the package."""
     out = cli.parse_args([]).out
     assert out == "figures" and not Path(out).is_absolute()
-    assert bench.output_paths(out, "gla")[0] == Path("figures") / "bench_h200_gla.json"
+    assert bench.output_paths(out, "gla", "h200")[0] == Path("figures") / "bench_h200_gla.json"
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
     assert "relative to the current directory" in " ".join(capsys.readouterr().out.split())
@@ -422,12 +433,13 @@ def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     report = runner.run_cases(cases, args, "quick", {"fresh": True, "dir": "x"})
     out = capsys.readouterr().out
     assert "fla wrong" in out and "varlen N4 T200 H2 D32" in out and "4.000 TB/s" in out
-    back = json.loads((tmp_path / "bench_h200_quick.json").read_text())
+    here = bench.gpu_tag(runner._device()["name"])  # this machine's: "cpu" here
+    back = json.loads((tmp_path / f"bench_{here}_quick.json").read_text())
     assert [c["case"] for c in back["cases"]] == [c.label for c in cases]
     assert back["meta"]["mode"] == "quick" and back["meta"]["copy"]["tbps"] == 4.0
     assert back["meta"]["fla"]["available"] and back["meta"]["wall_s"] > 0
     assert back["meta"]["host"]["cores"] == os.cpu_count() and back["meta"]["host"]["cpu"]  # whose host timed it
-    assert (tmp_path / "bench_h200_quick.png").stat().st_size > 10_000
+    assert (tmp_path / f"bench_{here}_quick.png").stat().st_size > 10_000
     assert report["cases"][0]["ours"]["x_floor"] == pytest.approx(1.0 / report["cases"][0]["floor_ms"])
 
 
@@ -445,7 +457,8 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
     meta = {"seed": 7, "n": 1, "distribution": "test"}
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "random", {"fresh": True, "dir": "x"}, meta)
     out = capsys.readouterr().out
-    probe = json.loads((tmp_path / "bench_h200_random_s7.json").read_text())["meta"]["host_probe"]
+    here = bench.gpu_tag(runner._device()["name"])
+    probe = json.loads((tmp_path / f"bench_{here}_random_s7.json").read_text())["meta"]["host_probe"]
     assert probe == report["meta"]["host_probe"] and set(probe) == {"start", "end"}
     for when in ("start", "end"):
         p = probe[when]
@@ -543,7 +556,7 @@ def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tuning, "ALL_CONFIGS", two)
     args = cli.parse_args(["--sweep", "--out", str(tmp_path)])
     report = runner.run_sweep([Shape(2, 100, 2, 64)], args, {"fresh": True, "dir": "x"})
-    back = json.loads((tmp_path / "bench_h200_sweep.json").read_text())
+    back = json.loads((tmp_path / f"bench_{bench.gpu_tag(runner._device()['name'])}_sweep.json").read_text())
     assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
     for s in back["sweep"]:
         assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1, False], [32, 32, 4, 1, False]]
@@ -1181,7 +1194,7 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
                      + [(d, s.label, P, gate) for d, s, P, gate in calibrate.gate_measurements()])
     assert [(d, s.label, P, gate) for d, s, P, gate in calibrate.every_measurement()] == [
         (*c, "g") if len(c) == 3 else c for c in calls]
-    written = json.loads((tmp_path / calibrate.OUT_NAME).read_text())
+    written = json.loads((tmp_path / calibrate.out_name(bench.gpu_tag(runner._device()["name"]))).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
     assert all(f["overlap"] == pytest.approx(256 / tuning.H200_SMS) for f in written["fitted"].values())
     for direction, (step, piece_step, *_) in made_from.items():

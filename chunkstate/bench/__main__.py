@@ -15,16 +15,16 @@ Modes:
             (model.RANDOM_DISTRIBUTION: 8k-128k tokens, B 1-256, T 512-128k, H 1-64, K, V in
             {64, 128, 256}, gates none / g / gk / g_gamma, a quarter packed), fwd and bwd with
             final states; where one pass has under two waves of programs, explicit piece counts
-            are timed too, to judge chunkstate's own choice. Files: bench_h200_random_s<SEED>.*
+            are timed too, to judge chunkstate's own choice. Files: bench_<gpu>_random_s<SEED>.*
   --calibrate
             measure the pieces cost model's constants on this GPU, per direction (a chunk step in
             one pass and in pieces, the fixed cost of a call in pieces), print them beside the
-            ones chunkstate.pieces uses, write pieces_calibration_h200.json (bench/calibrate.py).
+            ones chunkstate.pieces uses, write pieces_calibration_<gpu>.json (bench/calibrate.py).
   --merge FIRST.json SECOND.json
             one --random report from two processes of the same seed: a run stopped by its time
             limit, and a second one (--shapes) timing the shapes it left; each shape whole from one
-            process (report.merge_random). Writes bench_h200_random_s<SEED>.json and .png into
-            --out. No GPU needed.
+            process (report.merge_random). Writes bench_<gpu>_random_s<SEED>.json and .png into
+            --out (<gpu>: the first report's). No GPU needed.
   --plan    print the cases, their bytes and an estimate of the GPU time, then exit (no GPU needed).
 
 Per case: chunkstate's and fla's calls (and explicit piece counts where the random mode asks) are
@@ -36,8 +36,10 @@ pays its compiles: marked *), and how far ours is from fla's result. fla's 48 co
 of compiles per specialization, so its list is cut to 8 H200 winners (--fla-all-configs keeps all
 48); fla's GQA is never used.
 Outputs: a table on stdout and, in --out (default: figures/ under the current directory),
-bench_h200[_quick|_full|_sweep|_gla].json (rewritten after every case, so an interrupted run keeps
-what it measured) and a .png beside it (chunkstate.figures.speed).
+bench_<gpu>[_quick|_full|_sweep|_gla].json (rewritten after every case, so an interrupted run keeps
+what it measured) and a .png beside it (chunkstate.figures.speed). <gpu> is the GPU's short name
+(report.gpu_tag: h200 on an H200, h100 on an H100, rtx4090 on an RTX 4090), so a run on another GPU
+never overwrites the H200's files committed in figures/.
 --warm only calls each of those calls once (compiles and autotunes) and times and writes nothing:
 run side by side in --shard processes with --keep-cache, it fills Triton's cache for a timed run.
 """
@@ -116,7 +118,7 @@ def merge(paths, out) -> int:
     """``--merge``: read two --random reports, write their merge (``report.merge_random``)."""
     import json
 
-    from .report import format_random_summary, merge_random, output_paths, write_json, write_png
+    from .report import format_random_summary, gpu_tag, merge_random, output_paths, write_json, write_png
 
     reports = []
     for path in paths:
@@ -132,7 +134,8 @@ def merge(paths, out) -> int:
     except ValueError as e:
         print(f"--merge: {e}", file=sys.stderr)
         return 2
-    json_path, png_path = output_paths(out, f"random_s{meta['seed']}")
+    device = (reports[0].get("meta") or {}).get("device") or {}
+    json_path, png_path = output_paths(out, f"random_s{meta['seed']}", gpu_tag(device.get("name", "gpu")))
     write_json(merged, json_path)
     write_png(merged, png_path)
     print(f"{len(merged['cases'])} cases ({len(merged['meta']['second_process']['cases'])} from the second "

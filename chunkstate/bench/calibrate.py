@@ -46,7 +46,14 @@ PIECES_FOR_FIXED = (2, 4)
 PIECES_FOR_OVERLAP = 32  # 256 programs on the first shape: about two per multiprocessor of an H200
 # T set per measurement: 8 and 4 programs of 64×64; the first is HOST_PROBE's at T_TINY
 CALIBRATION = (Shape(1, 0, HOST_PROBE.H, HOST_PROBE.K, HOST_PROBE.V), Shape(1, 0, 4, 64))
-OUT_NAME = "pieces_calibration_h200.json"
+
+
+def out_name(gpu: str) -> str:
+    """The file ``run`` writes on the GPU ``gpu`` (``report.gpu_tag``): ``pieces_calibration_h200.json``
+    on an H200."""
+    return f"pieces_calibration_{gpu}.json"
+
+
 # The chunk steps measured beside g's for the other gate kinds, on the first calibration shape: the
 # model scales g's by their ratios (pieces.GATE_STEPS).
 GATE_KINDS = ("none", "g_gamma", "gk")
@@ -184,14 +191,15 @@ def format_fit(fitted: dict[str, dict[str, float]]) -> str:
 
 def run(args, cache: dict) -> dict:
     """Time every entry of ``every_measurement()`` on this GPU
-    (``runner.bench_call``: a first call, then ``do_bench``), fit, print, and write ``OUT_NAME`` into
-    ``args.out``."""
+    (``runner.bench_call``: a first call, then ``do_bench``), fit, print, and write ``out_name`` of
+    this GPU into ``args.out``."""
     import torch
 
     import chunkstate
     from chunkstate import tuning
 
     from . import runner
+    from .report import gpu_tag
 
     timings, gate_timings, rows, inp = {}, {}, [], None
     for direction, shape, P, gate in every_measurement():
@@ -212,7 +220,7 @@ def run(args, cache: dict) -> dict:
     print(format_gate_steps(gate_steps))
     report = {"meta": runner.run_info("calibrate", cache), "timings": rows, "fitted": fitted,
               "gate_steps_us": gate_steps, "in_use": in_use()}
-    path = Path(args.out) / OUT_NAME
+    path = Path(args.out) / out_name(gpu_tag(runner._device()["name"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")

@@ -4,7 +4,7 @@
 kernels. This times both, forward and forward + backward, on the same inputs: the median of
 ``triton.testing.do_bench`` (``WARMUP_MS``, ``REP_MS``; gradients reset between calls) and the
 first call's wall seconds (compiling and autotuning included). ``run_gla`` prints a table and
-writes ``<out>/bench_h200_gla.json``.
+writes ``<out>/bench_<gpu>_gla.json`` (``report.gpu_tag``: ``bench_h200_gla.json`` on an H200).
 """
 from __future__ import annotations
 
@@ -110,13 +110,13 @@ def run_gla(args, cache: dict) -> dict:
     """Time ``chunk_gla`` against fla's at ``GLA_CASE`` (bf16), print the table and write the
     report into ``args.out`` (``cache``: Triton's cache dir, as the other modes record it)."""
     from . import runner
-    from .report import output_paths, write_json
+    from .report import gpu_tag, output_paths, write_json
 
     results = time_chunk_gla(**GLA_CASE)
     meta = {**runner.run_info("gla", cache),
             "do_bench": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "statistic": "median"}}
     report = {"meta": meta, "gla": {**GLA_CASE, "dtype": "bfloat16", "results": results}}
-    json_path, _ = output_paths(args.out, "gla")
+    json_path, _ = output_paths(args.out, "gla", gpu_tag(runner._device()["name"]))
     write_json(report, json_path)
     print(format_gla(results))
     print(f"wrote {json_path}")

@@ -254,9 +254,30 @@ def case_line(r: dict) -> str:
 
 # ---------------------------------------------------------------- files
 
-def output_paths(out_dir, mode: str) -> tuple[Path, Path]:
-    """The JSON and PNG a run of ``mode`` writes into ``out_dir``: ``bench_h200[_mode].json`` / ``.png``."""
-    stem = "bench_h200" if mode == "default" else f"bench_h200_{mode}"
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
+
+
+def gpu_tag(name: str) -> str:
+    """A device's short name in the benchmark's file names, from its name as torch gives it (a run's
+    ``meta["device"]["name"]``): the words after the vendor's, up to the first with a digit, each up
+    to its first hyphen, lower case, letters and digits only. "NVIDIA H200" -> "h200", "NVIDIA H100
+    80GB HBM3" -> "h100", "NVIDIA GeForce RTX 4090" -> "rtx4090", "NVIDIA A100-SXM4-80GB" -> "a100",
+    "CPU" -> "cpu". So a run on another GPU never overwrites the H200's committed files."""
+    tag = ""
+    for word in name.split():
+        if word.lower() in _VENDOR_WORDS:
+            continue
+        word = word.split("-")[0]
+        tag += "".join(ch for ch in word.lower() if ch.isascii() and ch.isalnum())
+        if any(ch.isdigit() for ch in word):
+            break
+    return tag or "gpu"
+
+
+def output_paths(out_dir, mode: str, gpu: str) -> tuple[Path, Path]:
+    """The JSON and PNG a run of ``mode`` on the GPU ``gpu`` (``gpu_tag``) writes into ``out_dir``:
+    ``bench_<gpu>[_mode].json`` / ``.png``, e.g. ``bench_h200_random_s7.json``."""
+    stem = f"bench_{gpu}" if mode == "default" else f"bench_{gpu}_{mode}"
     return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.png"
 
 

@@ -34,7 +34,7 @@ from .. import _host, pieces, tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
 from .model import (BT, FLA_CONFIGS, HOST_PROBE, Case, Shape, case_pieces, derive, explicit_pieces, new_result,
                     tried_configs, unique_bytes)
-from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, output_paths,
+from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, gpu_tag, output_paths,
                      write_json, write_png)
 
 WARMUP_MS, REP_MS = 10, 50  # do_bench per single measurement (host probes, sweeps, --calibrate)
@@ -573,7 +573,8 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
         report["meta"]["random"] = random_meta
         report["meta"]["host_probe"] = {"start": host_probe(libs.ours, libs.fla)}
         print(format_host_probe(report["meta"]["host_probe"]["start"], "start"), flush=True)
-    json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode)
+    json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode,
+                                       gpu_tag(_device()["name"]))
     sms = tuning.sm_count()
     progress = Progress(len(cases), f"chunkstate.bench {mode}")
     t0 = time.perf_counter()
@@ -665,7 +666,7 @@ def run_sweep(shapes, args, cache: dict, gates=None) -> dict:
     copy = copy_bandwidth()
     libs = Libraries(fla_all_configs=False, with_fla=False)
     report = {"meta": metadata("sweep", copy, None, cache), "sweep": []}
-    json_path, _ = output_paths(args.out, "sweep")
+    json_path, _ = output_paths(args.out, "sweep", gpu_tag(_device()["name"]))
     progress = Progress(len(shapes) * 2, "chunkstate.bench sweep")
     try:
         for shape, gate in zip(shapes, gates):

@@ -8,7 +8,7 @@
 - bottom: effective bandwidth per case (unique bytes / time) against the copy bandwidth.
 
 A case where fla's result is known to be wrong (its backward with split_size > chunk_size) is
-drawn hatched. ``main()`` redraws ``figures/bench_h200*.png`` from the JSON files committed beside
+drawn hatched. ``main()`` redraws ``figures/bench_*.png`` from the JSON files committed beside
 them (no GPU needed; ``out_dir`` and ``reports_dir`` choose other folders); it draws nothing when
 there are none.
 """
@@ -140,15 +140,15 @@ def save_png(report: dict, path) -> Path:
 
 
 def main(out_dir=None, reports_dir=None):
-    """Redraw ``bench_h200*.png`` from the benchmark reports ``bench_h200*.json`` in ``reports_dir``
+    """Redraw ``bench_*.png`` from the benchmark reports ``bench_*.json`` (any GPU's) in ``reports_dir``
     (default: the checkout's ``figures/``; FileNotFoundError outside a checkout) into ``out_dir``
     (default: beside each report, as the benchmark writes them). Sweeps have no figure."""
     reports = FIGURES_DIR if reports_dir is None else Path(reports_dir)
     if reports is None:
-        raise FileNotFoundError("bench_h200*.json: chunkstate is not running from a repository checkout, so there "
+        raise FileNotFoundError("bench_*.json: chunkstate is not running from a repository checkout, so there "
                                 "is no figures/ folder to read the benchmark reports from; pass main(reports_dir=...)")
     paths = []
-    for report_path in sorted(reports.glob("bench_h200*.json")):
+    for report_path in sorted(reports.glob("bench_*.json")):
         report = json.loads(report_path.read_text())
         if "cases" in report:
             png = report_path.with_suffix(".png")
