@@ -203,7 +203,7 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
         # so never_cut(busy_programs(...)) in integers, with no call (programs_64 of one sequence ×
         # tokens ≥ half a wave × the longest; test_pieces checks it against the two), before any key
         # is hashed (a cached call cost a small call 2-5 % against pieces=1, figures/README.md,
-        # "session 17"; the calls, ~1.5 µs more, the default's excess in session 28's runs).
+        # "session 17"; written so, the check took an H100's host 0.40 µs, not 0.60, session 29).
         sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
         if p.H * ((p.K + 63) >> 6) * ((p.V + 63) >> 6) * tokens >= sms // 2 * longest:
             return 1
@@ -255,7 +255,8 @@ TIME_PIECES = True  # False: a default call takes the model's count untimed (``a
 # are timed at the host's pace, which on the lent machines jumps by tens of µs for moments, and one
 # timing in one moment can make a count look twice as slow as it is (the first calls of session 29's
 # runs, figures/README.md: 1.5-2.9x for some counts, against the benchmark's later rounds). The
-# median of five short rounds costs what one 30 ms timing did.
+# median of five short rounds costs what one 30 ms timing did. (The host's pace can also move over
+# longer spans than the rounds take: seen on an H200 in the same session.)
 TRIAL_ROUNDS = 5
 TRIAL_WARMUP_MS, TRIAL_REP_MS = 1, 5
 MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's own: MIN_PIECE_TOKENS);

@@ -31,13 +31,14 @@ from .model import (BT, FLA_CONFIGS, FLA_SHAPES, GATES, OWN_SHAPES, QUICK_SHAPES
                     n_splits, new_result, ours_launches, paired_ratio, parse_shape, predicted_pieces, programs_64,
                     random_cases, random_shapes, select_shapes, sweep_estimate, tried_configs, twin_ratio, unique_bytes)
 from .report import (COLUMNS, case_line, format_random_summary, format_summary, format_sweep, format_table,
-                     gpu_tag, output_paths, random_summary, readme_random_table, readme_suite_table, write_json, write_png)
+                     gpu_tag, output_paths, random_summary, readme_random_table, readme_suite_table, write_json,
+                     write_png)
 
 __all__ = ["BT", "COLUMNS", "FLA_CONFIGS", "FLA_SHAPES", "GATES", "OWN_SHAPES", "QUICK_SHAPES", "RANDOM_DIMS",
            "RANDOM_DISTRIBUTION", "RANDOM_HEADS", "RANDOM_MAX_STATE_BYTES", "SHAPES", "SWEEP_SHAPES",
            "VARIANT_SHAPES", "VARLEN_LENS", "Case", "Shape", "case_line", "case_pieces", "derive", "estimate",
            "explicit_pieces", "fla_key", "format_plan", "format_random_summary", "format_summary", "format_sweep",
-           "format_table", "geomean", "make_cases", "n_splits", "new_result", "ours_launches", "output_paths", "gpu_tag",
-           "paired_ratio", "parse_shape", "predicted_pieces", "programs_64", "random_cases", "random_shapes",
-           "random_summary", "readme_random_table", "readme_suite_table", "select_shapes", "sweep_estimate",
-           "tried_configs", "twin_ratio", "unique_bytes", "write_json", "write_png"]
+           "format_table", "geomean", "gpu_tag", "make_cases", "n_splits", "new_result", "ours_launches",
+           "output_paths", "paired_ratio", "parse_shape", "predicted_pieces", "programs_64", "random_cases",
+           "random_shapes", "random_summary", "readme_random_table", "readme_suite_table", "select_shapes",
+           "sweep_estimate", "tried_configs", "twin_ratio", "unique_bytes", "write_json", "write_png"]

@@ -34,8 +34,8 @@ from .. import _host, pieces, tuning
 from ..testing import find_autotuners, find_jit_functions, n_compiled, rel_err
 from .model import (BT, FLA_CONFIGS, HOST_PROBE, Case, Shape, case_pieces, derive, explicit_pieces, new_result,
                     tried_configs, unique_bytes)
-from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, gpu_tag, output_paths,
-                     write_json, write_png)
+from .report import (case_line, format_random_summary, format_summary, format_sweep, format_table, gpu_tag,
+                     output_paths, write_json, write_png)
 
 WARMUP_MS, REP_MS = 10, 50  # do_bench per single measurement (host probes, sweeps, --calibrate)
 # A case's calls are timed in rounds, interleaved (``interleaved``): five rounds of 2 + 10 ms take
