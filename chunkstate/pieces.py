@@ -198,14 +198,11 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
     if pieces is None:
         if INTERPRET:
             return 1
-        # Every default call asks this, and where a call's host time shows in its time (calls of
-        # under ~0.1 ms on an H200's host) each µs of it counts against pieces=P, which asks nothing:
-        # so never_cut(busy_programs(...)) in integers, with no call (programs_64 of one sequence ×
-        # tokens ≥ half a wave × the longest; test_pieces checks it against the two), before any key
-        # is hashed (a cached call cost a small call 2-5 % against pieces=1, figures/README.md,
-        # "session 17"; written so, the check took an H100's host 0.40 µs, not 0.60, session 29).
+        # never_cut asked before any key is hashed: every default call asks, and on an H200's host a
+        # cached call cost a small call 2-5 % of its time against pieces=1 (figures/README.md,
+        # "session 17"); the longest sequence comes with the Problem, not walked from its lengths
         sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
-        if p.H * ((p.K + 63) >> 6) * ((p.V + 63) >> 6) * tokens >= sms // 2 * longest:
+        if never_cut(busy_programs(p.H, p.K, p.V, tokens, longest), sms):
             return 1
         exact = (direction, gate, tag, p.N, p.H, p.K, p.V, tokens, longest, p.BS, p.BT, p.state_v_first, p.device)
         chosen = _CHOSEN.get(exact)

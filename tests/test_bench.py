@@ -175,6 +175,9 @@ def test_files_are_named_by_the_gpu_that_timed_them():
     for name in names:
         assert bench.output_paths("figures", "random_s7", bench.gpu_tag(name))[0].name == \
             f"bench_{names[name]}_random_s7.json"
+    assert runner.gpu_here() == bench.gpu_tag(runner._device()["name"])
+    if not ON_GPU:
+        assert runner.gpu_here() == "cpu"
 
 
 def test_json_and_png(tmp_path):
@@ -433,7 +436,7 @@ def test_run_cases_writes_table_json_png(cpu_run, tmp_path, capsys):
     report = runner.run_cases(cases, args, "quick", {"fresh": True, "dir": "x"})
     out = capsys.readouterr().out
     assert "fla wrong" in out and "varlen N4 T200 H2 D32" in out and "4.000 TB/s" in out
-    here = bench.gpu_tag(runner._device()["name"])  # this machine's: "cpu" here
+    here = runner.gpu_here()  # this machine's: "cpu" here
     back = json.loads((tmp_path / f"bench_{here}_quick.json").read_text())
     assert [c["case"] for c in back["cases"]] == [c.label for c in cases]
     assert back["meta"]["mode"] == "quick" and back["meta"]["copy"]["tbps"] == 4.0
@@ -457,7 +460,7 @@ def test_random_run_probes_the_hosts_time_before_and_after(cpu_run, tmp_path, mo
     meta = {"seed": 7, "n": 1, "distribution": "test"}
     report = runner.run_cases([Case(TINY[1], "fwd")], args, "random", {"fresh": True, "dir": "x"}, meta)
     out = capsys.readouterr().out
-    here = bench.gpu_tag(runner._device()["name"])
+    here = runner.gpu_here()
     probe = json.loads((tmp_path / f"bench_{here}_random_s7.json").read_text())["meta"]["host_probe"]
     assert probe == report["meta"]["host_probe"] and set(probe) == {"start", "end"}
     for when in ("start", "end"):
@@ -556,7 +559,7 @@ def test_sweep_loop(cpu_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tuning, "ALL_CONFIGS", two)
     args = cli.parse_args(["--sweep", "--out", str(tmp_path)])
     report = runner.run_sweep([Shape(2, 100, 2, 64)], args, {"fresh": True, "dir": "x"})
-    back = json.loads((tmp_path / f"bench_{bench.gpu_tag(runner._device()['name'])}_sweep.json").read_text())
+    back = json.loads((tmp_path / f"bench_{runner.gpu_here()}_sweep.json").read_text())
     assert [s["direction"] for s in back["sweep"]] == ["fwd", "bwd"] == [s["direction"] for s in report["sweep"]]
     for s in back["sweep"]:
         assert [t["config"] for t in s["timings"]] == [[64, 64, 4, 1, False], [32, 32, 4, 1, False]]
@@ -1194,7 +1197,7 @@ def test_calibration_run_times_every_measurement_and_writes_its_report(tmp_path,
                      + [(d, s.label, P, gate) for d, s, P, gate in calibrate.gate_measurements()])
     assert [(d, s.label, P, gate) for d, s, P, gate in calibrate.every_measurement()] == [
         (*c, "g") if len(c) == 3 else c for c in calls]
-    written = json.loads((tmp_path / calibrate.out_name(bench.gpu_tag(runner._device()["name"]))).read_text())
+    written = json.loads((tmp_path / calibrate.out_name(runner.gpu_here())).read_text())
     assert written["fitted"] == report["fitted"] and len(written["timings"]) == len(calls)
     assert all(f["overlap"] == pytest.approx(256 / tuning.H200_SMS) for f in written["fitted"].values())
     for direction, (step, piece_step, *_) in made_from.items():

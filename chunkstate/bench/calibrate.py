@@ -199,7 +199,6 @@ def run(args, cache: dict) -> dict:
     from chunkstate import tuning
 
     from . import runner
-    from .report import gpu_tag
 
     timings, gate_timings, rows, inp = {}, {}, [], None
     for direction, shape, P, gate in every_measurement():
@@ -220,7 +219,7 @@ def run(args, cache: dict) -> dict:
     print(format_gate_steps(gate_steps))
     report = {"meta": runner.run_info("calibrate", cache), "timings": rows, "fitted": fitted,
               "gate_steps_us": gate_steps, "in_use": in_use()}
-    path = Path(args.out) / out_name(gpu_tag(runner._device()["name"]))
+    path = Path(args.out) / out_name(runner.gpu_here())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")

@@ -110,13 +110,13 @@ def run_gla(args, cache: dict) -> dict:
     """Time ``chunk_gla`` against fla's at ``GLA_CASE`` (bf16), print the table and write the
     report into ``args.out`` (``cache``: Triton's cache dir, as the other modes record it)."""
     from . import runner
-    from .report import gpu_tag, output_paths, write_json
+    from .report import output_paths, write_json
 
     results = time_chunk_gla(**GLA_CASE)
     meta = {**runner.run_info("gla", cache),
             "do_bench": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "statistic": "median"}}
     report = {"meta": meta, "gla": {**GLA_CASE, "dtype": "bfloat16", "results": results}}
-    json_path, _ = output_paths(args.out, "gla", gpu_tag(runner._device()["name"]))
+    json_path, _ = output_paths(args.out, "gla", runner.gpu_here())
     write_json(report, json_path)
     print(format_gla(results))
     print(f"wrote {json_path}")

@@ -444,6 +444,12 @@ def _device() -> dict:
     return {"name": props.name, "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
 
 
+def gpu_here() -> str:
+    """This machine's GPU as the benchmark's file names call it (``report.gpu_tag``): "h200" on an
+    H200, "cpu" without a GPU."""
+    return gpu_tag(_device()["name"])
+
+
 def _host_cpu() -> dict:
     """The host's CPU: calls of under ~0.1 ms of GPU work take the host's time per call, which differs
     between machines that hold the same GPU."""
@@ -574,7 +580,7 @@ def run_cases(cases: list[Case], args, mode: str, cache: dict, random_meta: dict
         report["meta"]["host_probe"] = {"start": host_probe(libs.ours, libs.fla)}
         print(format_host_probe(report["meta"]["host_probe"]["start"], "start"), flush=True)
     json_path, png_path = output_paths(args.out, f"random_s{random_meta['seed']}" if random_meta else mode,
-                                       gpu_tag(_device()["name"]))
+                                       gpu_here())
     sms = tuning.sm_count()
     progress = Progress(len(cases), f"chunkstate.bench {mode}")
     t0 = time.perf_counter()
@@ -666,7 +672,7 @@ def run_sweep(shapes, args, cache: dict, gates=None) -> dict:
     copy = copy_bandwidth()
     libs = Libraries(fla_all_configs=False, with_fla=False)
     report = {"meta": metadata("sweep", copy, None, cache), "sweep": []}
-    json_path, _ = output_paths(args.out, "sweep", gpu_tag(_device()["name"]))
+    json_path, _ = output_paths(args.out, "sweep", gpu_here())
     progress = Progress(len(shapes) * 2, "chunkstate.bench sweep")
     try:
         for shape, gate in zip(shapes, gates):
