@@ -139,7 +139,7 @@ def test_a_count_timed_on_a_longer_call_is_fitted_to_a_shorter_one(as_on_a_gpu, 
 
 
 def test_grids_of_half_a_wave_and_short_sequences_are_never_timed(as_on_a_gpu, monkeypatch):
-    """Half a wave of programs or more: 1, asking nothing, keeping nothing. Under it but too short for
+    """Half a wave of programs or more: 1, asking nothing, timing nothing. Under it but too short for
     any count of pieces (2047 tokens: 2 pieces would be under ``MIN_TRIAL_TOKENS``): 1 untimed, kept
     as a timed count is, so the next such call finds it without asking the model again."""
     trial = FakeTrial({})
@@ -155,6 +155,39 @@ def test_grids_of_half_a_wave_and_short_sequences_are_never_timed(as_on_a_gpu, m
         raise AssertionError("the model asked again")
     monkeypatch.setattr(pieces, "auto_pieces", asked)
     assert _choose(short, trial, monkeypatch=monkeypatch) == 1 and trial.ran == []
+
+
+def test_a_repeated_default_call_is_answered_by_one_lookup(as_on_a_gpu, monkeypatch):
+    """Every answer kept (a grid never cut: 1; a count timed; one pass where no count fits) is found
+    again without the rule being asked, by the call's own key: its direction, gate, tag and sizes.
+    A call differing in any of them, or after ``clear_choices``, is answered anew; the model's count
+    untimed (no trial) is not kept, so the next call with a trial times it."""
+    never, short = _problem(8, 65536, 16, 128, 128), _problem(1, 2047, 2, 128, 128)
+    open_ = _problem(1, 65536, 2, 128, 128)
+    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, 64, direction="fwd", gate="g"),
+                                 65536, 64)
+    trial = FakeTrial({P: 100.0 - P for P in counts})  # the most pieces fastest
+    answers = [_choose(p, trial, monkeypatch=monkeypatch) for p in (never, short, open_)]
+    assert answers == [1, 1, max(counts)] and max(counts) > 1
+    asked = []
+
+    def answer(*args):
+        asked.append(args[0])
+        return 3, False
+    monkeypatch.setattr(pieces, "_answer", answer)
+    assert [_choose(p, trial, monkeypatch=monkeypatch) for p in (never, short, open_)] == answers and asked == []
+    assert len(trial.ran) == len(counts) * (1 + pieces.TRIAL_ROUNDS), "timed once, on the first call"
+    different = [pieces.choose(None, open_, "bwd", "g", trial=trial, tag=("t",)),  # direction
+                 pieces.choose(None, open_, "fwd", "gk", trial=trial, tag=("t",)),  # gate kind
+                 pieces.choose(None, open_, "fwd", "g", trial=trial, tag=("u",)),  # dtypes, optional states
+                 _choose(_problem(1, 65536, 2, 128, 64), trial, monkeypatch=monkeypatch),  # V
+                 _choose(_problem(1, 65536, 2, 128, 128, BS=128), trial, monkeypatch=monkeypatch),  # split size
+                 _choose(_problem(1, 65536, 2, 128, 128, torch.tensor([0, 32768, 65536])), trial,
+                         monkeypatch=monkeypatch)]  # packed
+    assert different == [3] * 6 and len(asked) == 6
+    pieces.clear_choices()
+    assert _choose(open_, trial, monkeypatch=monkeypatch) == 3 and len(asked) == 7, "after clear_choices: asked"
+    assert _choose(open_, trial, monkeypatch=monkeypatch) == 3 and len(asked) == 8, "not kept: asked again"
 
 
 def test_a_slow_moment_in_one_round_does_not_decide(as_on_a_gpu, monkeypatch):
