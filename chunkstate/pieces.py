@@ -199,46 +199,43 @@ def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple
     if pieces is None:
         if INTERPRET:
             return 1
-        # A repeated default call: one key, one lookup, no function called. The rule below costs six
-        # Python calls, which inside a whole call took an H100's host 2.5 µs more than an explicit
+        # A repeated default call: one key, one lookup, no function called. The rule (``_answer``) costs
+        # six Python calls, which inside a whole call took an H100's host 2.5 µs more than an explicit
         # count's check (figures/README.md, session 30): 6-9 % of a host-bound call's measured time.
-        key = (direction, gate, tag, p[:8], p.longest, p.state_v_first, p.device)  # p[:8]: B, T, H, K, V, N, BT, BS
-        answer = _ANSWERS.get(key)
-        if answer is not None:
-            return answer
-        answer, keep = _answer(p, direction, gate, trial, tag)
-        if keep:
-            if len(_ANSWERS) >= MAX_CHOSEN:
-                _ANSWERS.clear()
-            _ANSWERS[key] = answer
+        exact = (direction, gate, tag, p.N, p.H, p.K, p.V, p.B * p.T, p.longest, p.BS, p.BT, p.state_v_first,
+                 p.device)
+        answer = _ANSWERS.get(exact)
+        if answer is None:
+            answer, keep = _answer(p, exact, direction, gate, trial)
+            if keep:
+                if len(_ANSWERS) >= MAX_CHOSEN:
+                    _ANSWERS.clear()
+                _ANSWERS[exact] = answer
         return answer
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be None or a positive int, got {pieces!r}")
     return pieces
 
 
-def _answer(p: Problem, direction: str, gate: str, trial, tag: tuple) -> tuple[int, bool]:
-    """``choose``'s answer to a default call it has not answered before, and whether to keep it: not
-    where it is the model's count untimed (more than one count open, and no ``trial``,
-    ``TIME_PIECES`` off or a CUDA graph being captured), which a later call with a trial times."""
+def _answer(p: Problem, exact: tuple, direction: str, gate: str, trial) -> tuple[int, bool]:
+    """``choose``'s answer to a default call it has not answered before (``exact``: its key), and
+    whether to keep it: not where it is the model's count untimed (more than one count open, and no
+    ``trial``, ``TIME_PIECES`` off or a CUDA graph being captured), which a later call with a trial
+    times. An answer where the cut was open is also recorded in ``_CHOSEN`` (``choices``)."""
     sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
     if never_cut(busy_programs(p.H, p.K, p.V, tokens, longest), sms):
         return 1, True
-    exact = (direction, gate, tag, p.N, p.H, p.K, p.V, tokens, longest, p.BS, p.BT, p.state_v_first, p.device)
-    chosen = _CHOSEN.get(exact)
-    if chosen is None:
-        model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate,
-                            tokens=tokens)
-        counts = trial_counts(model, longest, p.BS)
-        if len(counts) == 1:  # no piece count fits this length: one pass, whatever a timing would say
-            chosen = 1
-        elif trial is None or not TIME_PIECES or _capturing(p.device):
-            return model, False
-        else:
-            chosen = fit(timed_choice(trial, counts, timing_key(exact, p.BT)), longest, p.BS)
-        if len(_CHOSEN) >= MAX_CHOSEN:
-            _CHOSEN.clear()
-        _CHOSEN[exact] = chosen
+    model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate, tokens=tokens)
+    counts = trial_counts(model, longest, p.BS)
+    if len(counts) == 1:  # no piece count fits this length: one pass, whatever a timing would say
+        chosen = 1
+    elif trial is None or not TIME_PIECES or _capturing(p.device):
+        return model, False
+    else:  # timed once per class of calls (``timing_key``): a call of a class timed before times nothing
+        chosen = fit(timed_choice(trial, counts, timing_key(exact, p.BT)), longest, p.BS)
+    if len(_CHOSEN) >= MAX_CHOSEN:
+        _CHOSEN.clear()
+    _CHOSEN[exact] = chosen
     return chosen, True
 
 
@@ -262,8 +259,7 @@ def _answer(p: Problem, direction: str, gate: str, trial, tag: tuple) -> tuple[i
 # A timing is kept per ``timing_key``: the call's sizes with the longest sequence's chunk count by its
 # bit length (``timing_class``) and its tokens over the longest by theirs, so a training run whose
 # packed batches of N sequences differ in lengths every step times each class once, not every step.
-# Each exact call is remembered apart (``_CHOSEN``), and every answer kept by ``choose``'s own key
-# (``_ANSWERS``), so a repeated call pays one dictionary lookup.
+# Each exact call's answer is kept apart (``_ANSWERS``), so a repeated call pays one dictionary lookup.
 
 TIME_PIECES = True  # False: a default call takes the model's count untimed (``auto_pieces``)
 # Each count is timed in rounds, interleaved, as the benchmark times calls: calls of under ~0.1 ms
@@ -278,9 +274,9 @@ MIN_TRIAL_TOKENS = 1024  # the shortest pieces a default call times (the model's
 # the benchmark's explicit counts reach down as far (bench.explicit_pieces)
 WHOLE_CALL_BYTES = 256 << 20  # states up to this are timed in the whole call (``dispatch``): 50 µs of writes
 # on an H200, about the host's time of a call
-MAX_CHOSEN = 4096  # exact calls remembered (``_CHOSEN``); past it the memory is cleared
-_CHOSEN: dict[tuple, int] = {}  # exact call -> count, where the cut was open
-_ANSWERS: dict[tuple, int] = {}  # every default call answered and kept (never cut: 1) -> count: ``choose``'s lookup
+MAX_CHOSEN = 4096  # exact calls remembered (``_ANSWERS``, ``_CHOSEN``); past it each memory is cleared
+_ANSWERS: dict[tuple, int] = {}  # exact call -> count, every answer kept (never cut: 1): ``choose``'s lookup
+_CHOSEN: dict[tuple, int] = {}  # the same, only where the cut was open: what ``choices`` reports
 _TIMED: dict[tuple, int] = {}  # ``timing_key`` -> the count its timing chose
 _TRIAL_MS: dict[tuple, dict[int, float]] = {}  # ``timing_key`` -> each count's timed ms (what it chose by)
 
