@@ -757,9 +757,10 @@ def test_run_case_times_the_explicit_piece_counts(monkeypatch):
 def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
     """Each case's default call chooses afresh (the counts kept by earlier cases are forgotten).
     Where its first run timed the counts open to it (``pieces.choose``), the record's ``pieces`` is
-    the count it kept, ``pieces_model`` the model's, ``pieces_trial_ms`` what its timing measured; where
-    it kept one pass untimed (no count fitting its length), no ``pieces_trial_ms``; where it kept
-    nothing, ``pieces`` stays the model's (``case_pieces``) and there is neither."""
+    the count it kept, ``pieces_model`` the model's, ``pieces_trial_ms`` what its timing measured
+    and ``pieces_trial_attempts`` in how many timings; where it kept one pass untimed (no count
+    fitting its length), no ``pieces_trial_ms``; where it kept nothing, ``pieces`` stays the
+    model's (``case_pieces``) and there is neither."""
     case = Case(Shape(1, 65536, 2), "fwd")
     model = bench.case_pieces(case)
     assert model > 1
@@ -773,6 +774,7 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
                 pieces._CHOSEN[("a key of this call",)] = P
                 if how == "timed":
                     pieces._TRIAL_MS[("its class",)] = {1: 0.05, 8: 0.07}
+                    pieces._TRIAL_ATTEMPTS[("its class",)] = 2
         return {"first_call_s": 1.0, "compiled": 0}, None, lambda: 1.0
 
     monkeypatch.setattr(runner, "_first", fake_first)
@@ -783,6 +785,7 @@ def test_run_case_records_the_count_a_default_call_timed_and_kept(monkeypatch):
         r = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
         assert (r["pieces"], r["pieces_model"]) == (1, model)
         assert r["pieces_trial_ms"] == {"1": 0.05, "8": 0.07}, "what the first call's timing measured"
+        assert r["pieces_trial_attempts"] == 2, "and how many timings it took"
         untimed = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])
         assert (untimed["pieces"], untimed["pieces_model"]) == (1, model) and "pieces_trial_ms" not in untimed
         again = runner.run_case(case, None, libs, copy_tbps=4.0, explore=[1, 2])  # nothing kept this time

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import pytest
 import torch
@@ -192,7 +193,8 @@ def test_a_repeated_default_call_is_answered_by_one_lookup(as_on_a_gpu, monkeypa
 
 def test_a_slow_moment_in_one_round_does_not_decide(as_on_a_gpu, monkeypatch):
     """The host's pace jumps for moments: a count timed 3x slower in one round of five (its first)
-    still wins by the median of its rounds, where one timing would have lost it."""
+    still wins, where one timing would have lost it (the rounds disagree, so the timing is done
+    again, and the steady second decides)."""
     p = _problem(1, 65536, 2, 128, 128)
     counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
                                  65536, 64)
@@ -208,6 +210,76 @@ def test_a_slow_moment_in_one_round_does_not_decide(as_on_a_gpu, monkeypatch):
     monkeypatch.setattr(pieces, "_median_time", timer)
     assert pieces.choose(None, p, "fwd", "g", trial=lambda P: None, tag=("t",)) == fastest
     assert list(pieces.trial_times().values()) == [times]
+    assert list(pieces.trial_attempts().values()) == [2]
+
+
+def _spell_timer(counts, times, slowed):
+    """A timer answering ``times[P]`` (µs), but for ``slowed(attempt, P, round)``: a factor it is
+    slowed by in that round of that attempt (attempts of ``TRIAL_ROUNDS`` rounds of every count)."""
+    seen = []
+
+    def timer(fn):
+        P = fn.args[0]
+        seen.append(P)
+        n = len(seen) - 1
+        attempt, in_attempt = divmod(n, len(counts) * pieces.TRIAL_ROUNDS)
+        return times[P] * slowed(attempt, P, in_attempt // len(counts))
+    return timer, seen
+
+
+def test_a_timing_whose_rounds_disagree_is_done_again(as_on_a_gpu, monkeypatch):
+    """A slow spell of the host through a whole timing: the fastest count (more host work) timed
+    1.3-2x slower in every round of the first timing, one pass not. By its median it would lose; its
+    rounds disagree (2 / 1.3 > ``STEADY_SPREAD``), so the counts are timed again, and the second
+    timing, steady, decides. A steady first timing decides at once (one timing)."""
+    p = _problem(1, 65536, 2, 128, 128)
+    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
+                                 65536, 64)
+    fastest = counts[-1]
+    times = {P: 100.0 for P in counts}
+    times[fastest] = 60.0
+    spell = (1.3, 2.0, 1.8, 1.9, 1.7)
+    assert statistics.median(spell) * times[fastest] > times[1] and 2.0 / 1.3 > pieces.STEADY_SPREAD
+    timer, seen = _spell_timer(counts, times, lambda a, P, r: spell[r] if a == 0 and P == fastest else 1.0)
+    monkeypatch.setattr(pieces, "_median_time", timer)
+    assert pieces.choose(None, p, "fwd", "g", trial=lambda P: None, tag=("t",)) == fastest
+    assert seen == _in_rounds(counts) * 2 and list(pieces.trial_attempts().values()) == [2]
+    assert list(pieces.trial_times().values()) == [times], "the steady timing's medians"
+
+    pieces.clear_choices()
+    timer, seen = _spell_timer(counts, times, lambda a, P, r: 1.1 if r == 2 else 1.0)  # 10 %: steady enough
+    monkeypatch.setattr(pieces, "_median_time", timer)
+    assert pieces.choose(None, p, "fwd", "g", trial=lambda P: None, tag=("t",)) == fastest
+    assert seen == _in_rounds(counts) and list(pieces.trial_attempts().values()) == [1]
+
+
+def test_a_host_never_steady_is_timed_at_most_trial_attempts_times(as_on_a_gpu, monkeypatch):
+    """Every timing's rounds disagree: the counts are timed ``TRIAL_ATTEMPTS`` times, no more, and the
+    steadiest timing (here the second: its rounds 1.3x apart, the others' 2x) decides by its medians."""
+    p = _problem(1, 65536, 2, 128, 128)
+    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
+                                 65536, 64)
+    fastest = counts[-1]
+    times = {P: 100.0 for P in counts}
+    times[fastest] = 60.0
+
+    def slowed(attempt, P, r):
+        if attempt == 1:  # the steadiest: the fastest count 1.3x slower in its first round only
+            return 1.3 if P == fastest and r == 0 else 1.0
+        return 2.0 if P == fastest and r < 3 else 1.0  # the others: the fastest 2x slower by its median
+    timer, seen = _spell_timer(counts, times, slowed)
+    monkeypatch.setattr(pieces, "_median_time", timer)
+    assert pieces.TRIAL_ATTEMPTS == 3
+    assert pieces.choose(None, p, "fwd", "g", trial=lambda P: None, tag=("t",)) == fastest
+    assert seen == _in_rounds(counts) * pieces.TRIAL_ATTEMPTS
+    assert list(pieces.trial_attempts().values()) == [pieces.TRIAL_ATTEMPTS]
+    assert list(pieces.trial_times().values()) == [times]
+
+
+def test_spread_is_the_largest_ratio_of_a_counts_rounds():
+    assert pieces.spread({1: [10.0, 10.0], 8: [5.0, 5.0]}) == 1.0
+    assert pieces.spread({1: [10.0, 12.0, 11.0], 8: [5.0, 7.5, 6.0]}) == 1.5
+    assert pieces.spread({1: [0.0, 1.0]}) == float("inf")
 
 
 def test_a_packed_batch_is_judged_by_the_programs_its_longest_walk_keeps_busy(as_on_a_gpu, monkeypatch):

@@ -336,6 +336,7 @@ def run_case(case: Case, inp: Inputs, libs: Libraries, copy_tbps: float, explore
     trials = list(pieces.trial_times().values())
     if trials:  # that count was timed (not the one pass too short to cut): what the timing measured
         r["pieces_trial_ms"] = {str(P): ms for P, ms in trials[0].items()}
+        r["pieces_trial_attempts"] = next(iter(pieces.trial_attempts().values()), None)  # 1: its first was steady
     ours_ran = calls["ours"] is not None
     if one_pass_too(case, explore) and ours_ran:  # what the pieces bought (or cost)
         r["ours_one_pass"], _, calls["ours_one_pass"] = _configs_run(
