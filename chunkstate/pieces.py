@@ -156,7 +156,8 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
                 direction: str, gate: str = "g", tokens: int | None = None) -> int:
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
     own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors:
-    1 unless one pass keeps under half a wave of programs busy (64×64 tiles) and the cost model
+    1 unless one pass keeps under half a wave of programs busy (64×64 tiles; a packed batch of
+    uneven lengths, under one wave: ``never_cut``) and the cost model
     (``predicted_us``) says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS``
     tokens and one split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds
     fastest (of equals, as where the host's time floors them all, the fewest pieces: the least scan
@@ -164,8 +165,9 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     N · ``max_len``, a dense batch): the programs are those the longest walk keeps busy
     (``busy_programs``). Answers are cached per argument tuple: after changing ``COSTS`` or
     ``GATE_STEPS``, call ``auto_pieces.cache_clear()``."""
-    programs = busy_programs(H, K, V, N * max_len if tokens is None else tokens, max_len)
-    if programs == 0 or never_cut(programs, sms):
+    tokens = N * max_len if tokens is None else tokens
+    programs = busy_programs(H, K, V, tokens, max_len)
+    if programs == 0 or never_cut(programs, sms, uneven=tokens != N * max_len):
         return 1
     chunks = _host.cdiv(max_len, BT)
     best, best_us = 1, PIECES_MARGIN * predicted_us(1, programs, chunks, sms, direction, gate)
@@ -178,17 +180,24 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     return best
 
 
-def never_cut(programs: float, sms: int) -> bool:
+def never_cut(programs: float, sms: int, uneven: bool = False) -> bool:
     """``auto_pieces``' first rule: a launch that keeps ``programs`` 64×64-tile programs busy
     (``busy_programs``; ``programs_64`` for a dense batch) with half a wave or more on ``sms``
-    multiprocessors is never cut."""
-    return programs >= sms // 2
+    multiprocessors is never cut; a packed batch of ``uneven`` lengths, with a whole wave or more.
+
+    Its busy programs are an average: at the start all its sequences' programs queue for the
+    multiprocessors, at the end only the longest's walk. Between half a wave and one, a cut was more
+    than 3 % faster in 11 of 26 such batches in the random runs up to session 31 (3 of 74 dense
+    batches), and in none of the 4 between three quarters and one (figures/README.md, session 31);
+    there the counts are timed (``choose``)."""
+    return programs >= (sms if uneven else sms // 2)
 
 
 def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple = ()) -> int:
     """Validate the caller's ``pieces`` and return the count to use. ``None`` decides for this device,
     ``direction`` and gate kind (``gate_kind``): 1 under the interpreter (nothing runs in parallel)
-    and where the programs busy are half a wave or more (``busy_programs``, ``never_cut``); else the
+    and where the programs busy are half a wave or more, a whole wave for a packed batch of uneven
+    lengths (``busy_programs``, ``never_cut``); else the
     cut is open, and the answer is the fastest of ``trial_counts`` (the cost model's count, its
     neighbours and one pass), timed once per ``timing_key`` by calling ``trial(P)``
     (``timed_choice``) and fitted to this call's length (``fit``), where a ``trial`` is given, more
@@ -223,7 +232,7 @@ def _answer(p: Problem, exact: tuple, direction: str, gate: str, trial) -> tuple
     ``trial``, ``TIME_PIECES`` off or a CUDA graph being captured), which a later call with a trial
     times. An answer where the cut was open is also recorded in ``_CHOSEN`` (``choices``)."""
     sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
-    if never_cut(busy_programs(p.H, p.K, p.V, tokens, longest), sms):
+    if never_cut(busy_programs(p.H, p.K, p.V, tokens, longest), sms, uneven=tokens != p.N * longest):
         return 1, True
     model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate, tokens=tokens)
     counts = trial_counts(model, longest, p.BS)
