@@ -186,10 +186,10 @@ def never_cut(programs: float, sms: int, uneven: bool = False) -> bool:
     multiprocessors is never cut; a packed batch of ``uneven`` lengths, with a whole wave or more.
 
     Its busy programs are an average: at the start all its sequences' programs queue for the
-    multiprocessors, at the end only the longest's walk. Between half a wave and one, a cut was more
-    than 3 % faster in 11 of 26 such batches in the random runs up to session 31 (3 of 74 dense
-    batches), and in none of the 4 between three quarters and one (figures/README.md, session 31);
-    there the counts are timed (``choose``)."""
+    multiprocessors, at the end only the longest's walk. In the random runs up to session 31, a cut
+    was more than 3 % faster between half a wave and three quarters in 11 of 26 such batches (3 of
+    74 dense ones), between three quarters and one in none of 4 (none of 40) (figures/README.md,
+    session 31); there the counts are now timed (``choose``)."""
     return programs >= (sms if uneven else sms // 2)
 
 

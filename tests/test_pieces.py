@@ -191,16 +191,22 @@ def test_a_repeated_default_call_is_answered_by_one_lookup(as_on_a_gpu, monkeypa
     assert _choose(open_, trial, monkeypatch=monkeypatch) == 3 and len(asked) == 8, "not kept: asked again"
 
 
+def _open_call(fastest_us):
+    """B1 T65536 H2 K = V = 128 forward, where the cut is open: the problem, the counts a default call
+    times, the most pieces of them, and each count's time (µs): 100, the most pieces ``fastest_us``."""
+    p = _problem(1, 65536, 2, 128, 128)
+    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
+                                 65536, 64)
+    times = {P: 100.0 for P in counts}
+    times[counts[-1]] = fastest_us
+    return p, counts, counts[-1], times
+
+
 def test_a_slow_moment_in_one_round_does_not_decide(as_on_a_gpu, monkeypatch):
     """The host's pace jumps for moments: a count timed 3x slower in one round of five (its first)
     still wins, where one timing would have lost it (the rounds disagree, so the timing is done
     again, and the steady second decides)."""
-    p = _problem(1, 65536, 2, 128, 128)
-    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
-                                 65536, 64)
-    fastest = counts[-1]
-    times = {P: 100.0 for P in counts}
-    times[fastest] = 40.0
+    p, counts, fastest, times = _open_call(40.0)
     seen = []
 
     def timer(fn):
@@ -232,12 +238,7 @@ def test_a_timing_whose_rounds_disagree_is_done_again(as_on_a_gpu, monkeypatch):
     1.3-2x slower in every round of the first timing, one pass not. By its median it would lose; its
     rounds disagree (2 / 1.3 > ``STEADY_SPREAD``), so the counts are timed again, and the second
     timing, steady, decides. A steady first timing decides at once (one timing)."""
-    p = _problem(1, 65536, 2, 128, 128)
-    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
-                                 65536, 64)
-    fastest = counts[-1]
-    times = {P: 100.0 for P in counts}
-    times[fastest] = 60.0
+    p, counts, fastest, times = _open_call(60.0)
     spell = (1.3, 2.0, 1.8, 1.9, 1.7)
     assert statistics.median(spell) * times[fastest] > times[1] and 2.0 / 1.3 > pieces.STEADY_SPREAD
     timer, seen = _spell_timer(counts, times, lambda a, P, r: spell[r] if a == 0 and P == fastest else 1.0)
@@ -256,12 +257,7 @@ def test_a_timing_whose_rounds_disagree_is_done_again(as_on_a_gpu, monkeypatch):
 def test_a_host_never_steady_is_timed_at_most_trial_attempts_times(as_on_a_gpu, monkeypatch):
     """Every timing's rounds disagree: the counts are timed ``TRIAL_ATTEMPTS`` times, no more, and the
     steadiest timing (here the second: its rounds 1.3x apart, the others' 2x) decides by its medians."""
-    p = _problem(1, 65536, 2, 128, 128)
-    counts = pieces.trial_counts(pieces.auto_pieces(1, 2, 128, 128, 65536, 64, SMS, direction="fwd", gate="g"),
-                                 65536, 64)
-    fastest = counts[-1]
-    times = {P: 100.0 for P in counts}
-    times[fastest] = 60.0
+    p, counts, fastest, times = _open_call(60.0)
 
     def slowed(attempt, P, r):
         if attempt == 1:  # the steadiest: the fastest count 1.3x slower in its first round only
