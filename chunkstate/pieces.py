@@ -167,7 +167,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     ``GATE_STEPS``, call ``auto_pieces.cache_clear()``."""
     tokens = N * max_len if tokens is None else tokens
     programs = busy_programs(H, K, V, tokens, max_len)
-    if programs == 0 or never_cut(programs, sms, uneven=tokens != N * max_len):
+    if programs == 0 or batch_never_cut(N, H, K, V, tokens, max_len, sms):
         return 1
     chunks = _host.cdiv(max_len, BT)
     best, best_us = 1, PIECES_MARGIN * predicted_us(1, programs, chunks, sms, direction, gate)
@@ -191,6 +191,12 @@ def never_cut(programs: float, sms: int, uneven: bool = False) -> bool:
     74 dense ones), between three quarters and one in none of 4 (none of 40) (figures/README.md,
     session 31); there the counts are now timed (``choose``)."""
     return programs >= (sms if uneven else sms // 2)
+
+
+def batch_never_cut(N: int, H: int, K: int, V: int, tokens: int, longest: int, sms: int) -> bool:
+    """``never_cut`` for a batch of N sequences holding ``tokens`` tokens, the longest ``longest``:
+    of its ``busy_programs``, uneven where the tokens fall short of N longest sequences."""
+    return never_cut(busy_programs(H, K, V, tokens, longest), sms, uneven=tokens != N * longest)
 
 
 def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple = ()) -> int:
@@ -232,7 +238,7 @@ def _answer(p: Problem, exact: tuple, direction: str, gate: str, trial) -> tuple
     ``trial``, ``TIME_PIECES`` off or a CUDA graph being captured), which a later call with a trial
     times. An answer where the cut was open is also recorded in ``_CHOSEN`` (``choices``)."""
     sms, tokens, longest = tuning.sm_count(p.device), p.B * p.T, p.longest
-    if never_cut(busy_programs(p.H, p.K, p.V, tokens, longest), sms, uneven=tokens != p.N * longest):
+    if batch_never_cut(p.N, p.H, p.K, p.V, tokens, longest, sms):
         return 1, True
     model = auto_pieces(p.N, p.H, p.K, p.V, longest, p.BS, sms, p.BT, direction=direction, gate=gate, tokens=tokens)
     counts = trial_counts(model, longest, p.BS)
@@ -353,15 +359,15 @@ def timed_choice(trial, counts: tuple[int, ...], key: tuple) -> int:
     with serialised():
         for P in counts:
             trial(P)
-        while len(attempts) < TRIAL_ATTEMPTS and (not attempts or spread(attempts[-1]) > STEADY_SPREAD):
+        for _ in range(TRIAL_ATTEMPTS):
             rounds = {P: [] for P in counts}
             for order in trial_rounds(counts):
                 for P in order:
                     rounds[P].append(_median_time(functools.partial(trial, P)))
             attempts.append(rounds)
-    steadiest = min(attempts, key=spread)  # (of equals, the first)
-    times = {P: statistics.median(t) for P, t in steadiest.items()}
-    chosen = min(counts, key=lambda P: (times[P], P))
+            if spread(rounds) <= STEADY_SPREAD:
+                break
+    chosen, times = by_median(min(attempts, key=spread))  # the steadiest timing (of equals, the first)
     if len(_TIMED) >= MAX_CHOSEN:
         _TIMED.clear()
         _TRIAL_MS.clear()
@@ -370,6 +376,13 @@ def timed_choice(trial, counts: tuple[int, ...], key: tuple) -> int:
     _TRIAL_MS[key] = times
     _TRIAL_ATTEMPTS[key] = len(attempts)
     return chosen
+
+
+def by_median(rounds: dict[int, list[float]]) -> tuple[int, dict[int, float]]:
+    """What one timing decides: the count whose rounds' median is least (of equal medians, the fewest
+    pieces), and each count's median."""
+    times = {P: statistics.median(t) for P, t in rounds.items()}
+    return min(times, key=lambda P: (times[P], P)), times
 
 
 def spread(rounds: dict[int, list[float]]) -> float:

@@ -272,6 +272,17 @@ def test_a_host_never_steady_is_timed_at_most_trial_attempts_times(as_on_a_gpu, 
     assert list(pieces.trial_times().values()) == [times]
 
 
+def test_a_timing_decides_by_its_medians_of_equals_the_fewest_pieces():
+    assert pieces.by_median({1: [10.0, 30.0, 11.0], 8: [12.0, 12.0, 12.0]}) == (1, {1: 11.0, 8: 12.0})
+    assert pieces.by_median({8: [5.0, 5.0], 2: [5.0, 6.0, 5.0]})[0] == 2
+
+
+def test_a_batch_is_never_cut_by_its_busy_programs_uneven_where_tokens_fall_short():
+    assert pieces.batch_never_cut(33, 2, 64, 64, 33 * 8192, 8192, SMS)  # dense: half a wave
+    assert not pieces.batch_never_cut(33, 2, 64, 64, 33 * 8192 - 1, 8192, SMS)  # one token short: uneven
+    assert pieces.batch_never_cut(67, 2, 64, 64, 66 * 8192, 8192, SMS)  # uneven at a whole wave
+
+
 def test_spread_is_the_largest_ratio_of_a_counts_rounds():
     assert pieces.spread({1: [10.0, 10.0], 8: [5.0, 5.0]}) == 1.0
     assert pieces.spread({1: [10.0, 12.0, 11.0], 8: [5.0, 7.5, 6.0]}) == 1.5
@@ -317,7 +328,7 @@ def test_a_packed_batch_of_uneven_lengths_is_never_cut_only_from_a_whole_wave(as
 
 
 def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_on_a_gpu, monkeypatch):
-    """``choose`` answers a default call by ``never_cut(busy_programs(...))`` with the longest sequence
+    """``choose`` answers a default call by ``batch_never_cut`` with the longest sequence
     the ``Problem`` carries, on random dense and packed batches (empty sequences among them) and on
     shapes right at the line (busy programs of exactly half a wave, and just under; for a packed
     batch of uneven lengths, a whole wave, and just under). Past the line it
@@ -354,8 +365,7 @@ def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_
     for p in shapes:
         longest = max(p.lengths, default=0)
         assert p.longest == longest
-        never = pieces.never_cut(pieces.busy_programs(p.H, p.K, p.V, p.B * p.T, longest), SMS,
-                                 uneven=p.B * p.T != p.N * longest)
+        never = pieces.batch_never_cut(p.N, p.H, p.K, p.V, p.B * p.T, longest, SMS)
         chosen = pieces.choose(None, p, "fwd", "g")
         assert chosen == (1 if never else 7), (p.lengths[:5], p.H, p.K, p.V)
         seen[chosen] += 1
