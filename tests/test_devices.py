@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,28 @@ def test_candidates_follow_the_longer_side_of_the_state():
     assert (128, 64, 8, 3, True) in _h200_kept(256, 128, 1, True, USE_GK=True)
     assert _h200_kept(128, 128, 1, True, USE_GK=True) == {(64, 64, 4, 4, True), (32, 64, 4, 4, True),
                                                          (64, 64, 4, 3, True)}
+
+
+def test_a_key_four_times_the_value_adds_a_pointer_tile_in_bucket_1():
+    """The fourth sweep's rule (session 32, figures/README.md): with a key gate and TMA in bucket 1,
+    pointer 64×64 with 8 warps and 4 stages joins the TMA tiles where K is four times V (K256 V64),
+    and not at K128 V64, K256 V128 or V > K, where it lost every time."""
+    extra = (64, 64, 8, 4, False)
+    assert extra in _h200_kept(256, 64, 1, True, USE_GK=True)
+    for K, V in ((128, 64), (256, 128), (64, 256), (128, 128)):
+        assert extra not in _h200_kept(K, V, 1, True, USE_GK=True), (K, V)
+    assert extra not in _h200_kept(256, 64, 2, True, USE_GK=True)  # bucket 1 only
+
+    runs = json.loads((Path(__file__).parents[1] / "figures" / "sweep_kv_bucket1_h100.json").read_text())
+    ratio = {}  # (K, V) -> the extra tile's time over the best of the list before it, per case
+    for r in runs["first_draw"]:
+        if r["cls"] == "A":
+            best_before = min(r["res"][str(tuple(c))]["ms"] for c in r["tried"])
+            ratio.setdefault(r["case"].split()[3:5] == ["K256", "V64"], []).append(r["res"][str(extra)]["ms"] / best_before)
+    for r in runs["second_draw"]:
+        ratio.setdefault(r["case"].split()[3:5] == ["K256", "V64"], []).append(r["new_over_best_old"])
+    assert (len(ratio[True]), sum(x < 0.97 for x in ratio[True])) == (12, 9)  # K256 V64: > 3 % faster in 9 of 12
+    assert (len(ratio[False]), sum(x > 1 for x in ratio[False])) == (12, 12)  # elsewhere: slower in all
 
 
 @pytest.mark.parametrize("target,config,dtype,expected", [
