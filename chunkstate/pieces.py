@@ -157,7 +157,7 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     """How many pieces to cut each sequence of a call in ``direction`` ("fwd" or "bwd": each has its
     own ``COSTS``) with gate kind ``gate`` (``gate_kind``) into on a GPU of ``sms`` multiprocessors:
     1 unless one pass keeps under half a wave of programs busy (64×64 tiles; a packed batch of
-    uneven lengths, under one wave: ``never_cut``) and the cost model
+    uneven lengths, under five quarters of a wave: ``never_cut``) and the cost model
     (``predicted_us``) says some count in ``PIECE_COUNTS`` (pieces of at least ``MIN_PIECE_TOKENS``
     tokens and one split) saves ``1 − PIECES_MARGIN`` of one pass; then the count the model finds
     fastest (of equals, as where the host's time floors them all, the fewest pieces: the least scan
@@ -180,17 +180,23 @@ def auto_pieces(N: int, H: int, K: int, V: int, max_len: int, BS: int, sms: int,
     return best
 
 
+UNEVEN_LINE_WAVES = 1.25  # a packed batch of uneven lengths is never cut from this many waves of busy programs
+
+
 def never_cut(programs: float, sms: int, uneven: bool = False) -> bool:
     """``auto_pieces``' first rule: a launch that keeps ``programs`` 64×64-tile programs busy
     (``busy_programs``; ``programs_64`` for a dense batch) with half a wave or more on ``sms``
-    multiprocessors is never cut; a packed batch of ``uneven`` lengths, with a whole wave or more.
+    multiprocessors is never cut; a packed batch of ``uneven`` lengths, with ``UNEVEN_LINE_WAVES``
+    (five quarters of a wave) or more.
 
     Its busy programs are an average: at the start all its sequences' programs queue for the
     multiprocessors, at the end only the longest's walk. In the random runs up to session 31, a cut
     was more than 3 % faster between half a wave and three quarters in 11 of 26 such batches (3 of
-    74 dense ones), between three quarters and one in none of 4 (none of 40) (figures/README.md,
-    session 31); there the counts are now timed (``choose``)."""
-    return programs >= (sms if uneven else sms // 2)
+    74 dense ones), between three quarters and one in none of 4 (none of 40), so the line moved from
+    half a wave to one. Up to session 32, between one wave and five quarters in 3 of 12 (1 of 57
+    dense), from five quarters to two waves in none of 18 (none of 106), so it moved on to five
+    quarters (figures/README.md, sessions 31 and 32); below it the counts are timed (``choose``)."""
+    return programs >= (UNEVEN_LINE_WAVES * sms if uneven else sms // 2)
 
 
 def batch_never_cut(N: int, H: int, K: int, V: int, tokens: int, longest: int, sms: int) -> bool:
@@ -202,8 +208,8 @@ def batch_never_cut(N: int, H: int, K: int, V: int, tokens: int, longest: int, s
 def choose(pieces, p: Problem, direction: str, gate: str, trial=None, tag: tuple = ()) -> int:
     """Validate the caller's ``pieces`` and return the count to use. ``None`` decides for this device,
     ``direction`` and gate kind (``gate_kind``): 1 under the interpreter (nothing runs in parallel)
-    and where the programs busy are half a wave or more, a whole wave for a packed batch of uneven
-    lengths (``busy_programs``, ``never_cut``); else the
+    and where the programs busy are half a wave or more, five quarters of a wave for a packed batch
+    of uneven lengths (``busy_programs``, ``never_cut``); else the
     cut is open, and the answer is the fastest of ``trial_counts`` (the cost model's count, its
     neighbours and one pass), timed once per ``timing_key`` by calling ``trial(P)``
     (``timed_choice``) and fitted to this call's length (``fit``), where a ``trial`` is given, more

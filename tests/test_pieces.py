@@ -280,7 +280,9 @@ def test_a_timing_decides_by_its_medians_of_equals_the_fewest_pieces():
 def test_a_batch_is_never_cut_by_its_busy_programs_uneven_where_tokens_fall_short():
     assert pieces.batch_never_cut(33, 2, 64, 64, 33 * 8192, 8192, SMS)  # dense: half a wave
     assert not pieces.batch_never_cut(33, 2, 64, 64, 33 * 8192 - 1, 8192, SMS)  # one token short: uneven
-    assert pieces.batch_never_cut(67, 2, 64, 64, 66 * 8192, 8192, SMS)  # uneven at a whole wave
+    assert not pieces.batch_never_cut(67, 2, 64, 64, 66 * 8192, 8192, SMS)  # uneven at a whole wave: open
+    assert pieces.batch_never_cut(84, 2, 64, 64, 82 * 8192 + 4096, 8192, SMS)  # at five quarters: 165 busy
+    assert not pieces.batch_never_cut(84, 2, 64, 64, 82 * 8192 + 4095, 8192, SMS)
 
 
 def test_spread_is_the_largest_ratio_of_a_counts_rounds():
@@ -311,13 +313,15 @@ def test_a_packed_batch_is_judged_by_the_programs_its_longest_walk_keeps_busy(as
     assert pieces.auto_pieces(52, 1, 64, 256, 8192, 64, SMS, 64, direction="bwd", gate="gk") == 1
 
 
-def test_a_packed_batch_of_uneven_lengths_is_never_cut_only_from_a_whole_wave(as_on_a_gpu, monkeypatch):
-    """The line is half a wave of busy programs, a whole wave for a packed batch of uneven lengths:
-    one sequence of 8,192 tokens and 54 of 512 at H12 K128 V64 keep 24 × 35,840 / 8,192 = 105 busy,
-    between the two: timed where 55 sequences of 8,192 are never cut."""
+def test_a_packed_batch_of_uneven_lengths_is_never_cut_only_from_five_quarters_of_a_wave(as_on_a_gpu, monkeypatch):
+    """The line is half a wave of busy programs, five quarters of a wave for a packed batch of uneven
+    lengths: one sequence of 8,192 tokens and 54 of 512 at H12 K128 V64 keep 24 × 35,840 / 8,192 = 105
+    busy, between the two: timed where 55 sequences of 8,192 are never cut; and one of 8,192 with 63
+    of 4,096 at H8 K128 V64 keep 16 × 266,240 / 8,192 = 520 busy, past five quarters: never cut."""
+    assert pieces.UNEVEN_LINE_WAVES == 1.25
     assert pieces.never_cut(SMS // 2, SMS) and not pieces.never_cut(SMS // 2 - 0.01, SMS)
-    assert not pieces.never_cut(SMS // 2, SMS, uneven=True) and not pieces.never_cut(SMS - 0.01, SMS, uneven=True)
-    assert pieces.never_cut(SMS, SMS, uneven=True)
+    assert not pieces.never_cut(SMS // 2, SMS, uneven=True) and not pieces.never_cut(SMS, SMS, uneven=True)
+    assert not pieces.never_cut(1.25 * SMS - 0.01, SMS, uneven=True) and pieces.never_cut(1.25 * SMS, SMS, uneven=True)
     lens = [8192] + [512] * 54
     assert pieces.busy_programs(12, 128, 64, sum(lens), 8192) == 105
     dense = FakeTrial({})
@@ -325,13 +329,18 @@ def test_a_packed_batch_of_uneven_lengths_is_never_cut_only_from_a_whole_wave(as
     packed = _problem(1, sum(lens), 12, 128, 64, torch.tensor([0, *itertools.accumulate(lens)]))
     trial = FakeTrial({1: 92.0, 2: 103.0, 4: 77.0, 8: 80.0})
     assert _choose(packed, trial, monkeypatch=monkeypatch) == 4 and trial.timed[:4] == [1, 2, 4, 8]
+    lens = [8192] + [4096] * 63
+    assert pieces.busy_programs(8, 128, 64, sum(lens), 8192) == 520 > 1.25 * SMS
+    past = FakeTrial({})
+    packed = _problem(1, sum(lens), 8, 128, 64, torch.tensor([0, *itertools.accumulate(lens)]))
+    assert _choose(packed, past, monkeypatch=monkeypatch) == 1 and past.ran == []
 
 
 def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_on_a_gpu, monkeypatch):
     """``choose`` answers a default call by ``batch_never_cut`` with the longest sequence
     the ``Problem`` carries, on random dense and packed batches (empty sequences among them) and on
     shapes right at the line (busy programs of exactly half a wave, and just under; for a packed
-    batch of uneven lengths, a whole wave, and just under). Past the line it
+    batch of uneven lengths, five quarters of a wave, and just under). Past the line it
     asks the model, here a stand-in answering 7 with 7 open, untimed (``TIME_PIECES`` off); at or over
     it, it answers 1 asking nothing. A batch with no tokens keeps no program busy: the real model
     answers it 1."""
@@ -348,16 +357,18 @@ def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_
             lens = [rng.choice([0, rng.randint(1, 3000), rng.randint(1, 40000)]) for _ in range(rng.randint(1, 40))]
             shapes.append(_problem(1, sum(lens), H, K, V, torch.tensor([0, *itertools.accumulate(lens)])))
     # 2 programs a sequence at H2 K = V = 64: 33 sequences of the longest's length are half of 132 SMs, the
-    # line of a dense batch (and of a packed one of equal lengths); a packed batch of uneven lengths: 66, a wave
+    # line of a dense batch (and of a packed one of equal lengths); a packed batch of uneven lengths: 82.5,
+    # five quarters of a wave
     shapes += [_problem(33, 8192, 2, 64, 64), _problem(32, 8192, 2, 64, 64),
                _problem(1, 33 * 8192, 2, 64, 64, torch.tensor([0, *itertools.accumulate([8192] * 33)])),
                _problem(1, 32 * 8192, 2, 64, 64, torch.tensor([0, *itertools.accumulate([8192] * 32)])),
-               _problem(1, 66 * 8192, 2, 64, 64, torch.tensor([0, *itertools.accumulate([8192] * 65 + [4096] * 2)])),
-               _problem(1, 66 * 8192 - 1, 2, 64, 64,
-                        torch.tensor([0, *itertools.accumulate([8192] * 65 + [4096, 4095])])),
+               _problem(1, 82 * 8192 + 4096, 2, 64, 64,
+                        torch.tensor([0, *itertools.accumulate([8192] * 82 + [2048] * 2)])),
+               _problem(1, 82 * 8192 + 4095, 2, 64, 64,
+                        torch.tensor([0, *itertools.accumulate([8192] * 82 + [2048, 2047])])),
                _problem(1, 33 * 8192, 2, 64, 64, torch.tensor([0, *itertools.accumulate([8192] * 32 + [4096] * 2)]))]
     assert pieces.busy_programs(2, 64, 64, 33 * 8192, 8192) == 66 == SMS // 2
-    assert pieces.busy_programs(2, 64, 64, 66 * 8192, 8192) == 132 == SMS
+    assert pieces.busy_programs(2, 64, 64, 82 * 8192 + 4096, 8192) == 165 == 1.25 * SMS
     monkeypatch.setattr(pieces, "TIME_PIECES", False)
     monkeypatch.setattr(pieces, "auto_pieces", lambda *args, **kw: 7)
     monkeypatch.setattr(pieces, "trial_counts", lambda model, longest, BS: (1, model))  # open: the model's, untimed
@@ -371,7 +382,7 @@ def test_choose_never_cuts_exactly_where_never_cut_of_the_busy_programs_says(as_
         seen[chosen] += 1
     assert seen[1] > 20 and seen[7] > 20, seen
     assert [pieces.choose(None, p, "fwd", "g") for p in shapes[-7:]] == [1, 7, 1, 7, 1, 7, 7], \
-        "half a wave: dense, packed evenly; a wave: packed unevenly (half a wave of it: open)"
+        "half a wave: dense, packed evenly; five quarters: packed unevenly (half a wave of it: open)"
     assert pieces._CHOSEN == {}
 
 
