@@ -259,9 +259,10 @@ def candidates(K: int, V: int, bucket: int, tma: bool = False,
     stages from bucket 2 on (gk at D64 and K256 V64; in the TMA list), and in bucket 1 the wide TMA tile along the
     longer side of a state past 128 × 128 (B1 T18840 H20 K = V = 256: 0.54 ms against 0.68). And
     in bucket 2, 64×64 with 4 warps and 4 stages: fla's winner where its constant-gate forward beat
-    chunkstate's 3 stages on random shapes. A fourth, on K, V pairs drawn at random in bucket 1 with gk (session 32): where
-    K is four times V, pointer 64×64 with 8 warps and 4 stages beat every TMA tile by more than 3 % in
-    9 of 12 cases (K256 V64), and lost in all 10 at K128 V64 and K256 V128, so only there.
+    chunkstate's 3 stages on random shapes. A fourth, on K ≠ V drawn at random in bucket 1 with gk
+    (``figures/sweep_kv_bucket1_h100.json``): where K is four times V, pointer 64×64 with 8 warps and
+    4 stages beat every TMA tile by more than 3 % in 9 of 12 cases (K256 V64), and lost in all 10 at
+    K128 V64 and K256 V128, so only there.
 
     With a vector gate and TMA: TMA configs and one pointer config. Without TMA (before sm_90, or
     inputs a descriptor cannot read) a vector gate takes the scalar gates' lists below. Below a full
