@@ -1316,8 +1316,8 @@ def test_the_readme_quotes_the_random_runs_it_names():
     rows = [r for rep in reports for r in rep["cases"] if r.get("fla_over_ours")]
     worst = min(rows, key=lambda r: r["fla_over_ours"])
     assert f"{worst['fla_over_ours']:.2f}× ({worst['case']}, " in table.splitlines()[2]  # the "all" row
-    h100 = re.search(r"On an H100, three seeds .*?\((\d+), (\d+), (\d+); (\d+) cases, ", text)
-    assert h100, "the H100 paragraph names its three seeds and its case count"
+    h100 = re.search(r"The latest run, on an H100: three seeds .*?\((\d+), (\d+), (\d+); (\d+) cases, ", text)
+    assert h100, "the H100 run names its three seeds and its case count"
     h100_reports = [json.loads(committed(f"bench_h100_random_s{seed}.json").read_text()) for seed in h100.groups()[:3]]
     assert all(rep["meta"]["device"]["name"].startswith("NVIDIA H100") for rep in h100_reports)
     assert bench.readme_random_table(h100_reports) in section, "regenerate the H100 table for the seeds it names"
