@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 import chunkstate  # before triton: picks the interpreter on a machine without a GPU
 import triton
 from chunkstate import backward, forward, gates, launch, pieces, reference, tuning
+from chunkstate.figures import committed
 from chunkstate.testing import check_close, nan_poisoned_empty, state_tolerance
 
 Device = tuning.Device
@@ -139,7 +139,7 @@ def test_a_key_four_times_the_value_adds_a_pointer_tile_in_bucket_1():
         assert extra not in _h200_kept(K, V, 1, True, USE_GK=True), (K, V)
     assert extra not in _h200_kept(256, 64, 2, True, USE_GK=True)  # bucket 1 only
 
-    runs = json.loads((Path(__file__).parents[1] / "figures" / "sweep_kv_bucket1_h100.json").read_text())
+    runs = json.loads(committed("sweep_kv_bucket1_h100.json").read_text())
     ratio = {True: [], False: []}  # K256 V64 or not -> the extra tile's time over the list's best before it
     for r in runs["first_draw"]:
         if r["cls"] == "A":  # the bucket-1 draw (the other class: K = V = 256 in bucket 3)
